@@ -1,0 +1,85 @@
+"""The proposer contract: guess up to k tokens per row inside the jitted step.
+
+A proposer is a static (hashable) object; its device state (e.g. a draft KV cache) lives in
+`DecodeState.proposer` and its weights are passed in as `params` so they are jit arguments,
+never baked-in constants. All methods are traced inside the engine's compiled functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.types import Proposals, RowParams
+from models.llama import StepInputs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a proposer may look at in one step.
+
+    slot_ids: [B] cache slot per row.      start:   [B] committed target length per row.
+    pending:  [B] newest token per row.     history: [S+1, M] all tokens of every slot.
+    rows:     the rows' sampling parameters and fresh keys.
+    """
+
+    slot_ids: jax.Array
+    start: jax.Array
+    pending: jax.Array
+    history: jax.Array
+    rows: RowParams
+
+
+class Proposer:
+    """Base class; subclasses override what they need."""
+
+    name: str = "none"
+    #: True if the proposer returns draft probabilities (else proposals are point masses).
+    has_probs: bool = False
+
+    def init_state(self, num_slots: int, max_len: int):
+        """Device state for `num_slots` slots (+ scratch). Default: none."""
+        return ()
+
+    def params(self):
+        """Weights passed to every compiled call (pytree). Default: none."""
+        return ()
+
+    def prefill(self, params, state, inputs: StepInputs, n_valid: jax.Array, window: int):
+        """See a prompt chunk (the same chunk the target prefills). Returns the new state."""
+        return state
+
+    def propose(self, params, state, ctx: StepContext, k: int, window: int) -> tuple[Proposals, object]:
+        raise NotImplementedError
+
+    def sync(self, params, state, ctx: StepContext, window: int):
+        """A step with k = 0: keep any per-slot state in sync. Returns the new state."""
+        return state
+
+    def commit(self, state, ctx: StepContext, k: int, n_accepted: jax.Array):
+        """After verification: `n_accepted` [B] of the k proposals were kept."""
+        return state
+
+
+class NoProposer(Proposer):
+    """Plain decoding: proposes nothing (only k = 0 is valid)."""
+
+    name = "none"
+
+    def propose(self, params, state, ctx, k, window):
+        raise ValueError("the 'none' proposer cannot speculate; use k = 0")
+
+    def __eq__(self, other):
+        return type(other) is type(self)
+
+    def __hash__(self):
+        return hash(type(self))
+
+
+def empty_proposals(batch: int) -> Proposals:
+    """Proposals for a k = 0 step."""
+    return Proposals(token_ids=jnp.zeros((batch, 0), jnp.int32), lens=jnp.zeros((batch,), jnp.int32),
+                     draft_probs=None)

@@ -1,0 +1,99 @@
+"""Draft-model proposer: a small Llama with its own KV cache, k draft steps in one call.
+
+Keeping the draft cache in sync (DESIGN.md §11, "bonus token and draft catch-up"): every step,
+k = 0 included, the draft first consumes the tokens the target committed that it has not
+seen, through the pending token. Because this happens every step, at most two tokens are ever
+missing (the last accepted proposal when all k were accepted, and the pending token), so the
+catch-up is a fixed chunk of width 2 with a per-row count.
+
+    target:  ... t(s-1) | pending(s)                    committed length s
+    draft:   ... t(dl-1)                                draft length dl ∈ {s-1, s}
+    chunk:   history[dl], history[dl+1]   (count c = s - dl + 1 ∈ {1, 2})
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec import sampling
+from jaxspec.proposers.base import Proposer, StepContext
+from jaxspec.types import Proposals
+from models.kv_cache import KVCache, init_cache
+from models.llama import Llama, StepInputs, chain_inputs
+
+CATCH_UP = 2  # tokens fed to the draft at the start of every step
+
+
+class DraftModelProposer(Proposer):
+    """Samples k tokens autoregressively from a draft model (warped like the target)."""
+
+    has_probs = True
+
+    def __init__(self, draft: Llama, name: str = "draft"):
+        self.name = name
+        self.config = draft.config
+        self.graphdef, self._params = nnx.split(draft)
+
+    def params(self):
+        return self._params
+
+    def init_state(self, num_slots: int, max_len: int) -> KVCache:
+        return init_cache(self.config, num_slots, max_len)
+
+    def _model(self, params) -> Llama:
+        return nnx.merge(self.graphdef, params)
+
+    def prefill(self, params, state: KVCache, inputs: StepInputs, n_valid, window):
+        draft = self._model(params)
+        _, state = draft.forward_cached(inputs, state, window, logits_at=(n_valid - 1)[:, None])
+        return state.with_lengths(inputs.slot_ids, inputs.start + n_valid)
+
+    def _catch_up(self, draft: Llama, state: KVCache, ctx: StepContext, window: int):
+        """Feed the missing committed tokens and the pending one. Returns logits [B, V] after
+        the pending token and the cache (draft length is then start + 1)."""
+        dl = state.lengths[ctx.slot_ids]  # [B]
+        m = ctx.history.shape[1]
+        # chunk: [B, 2] = history[slot, dl + {0, 1}]
+        idx = jnp.clip(dl[:, None] + jnp.arange(CATCH_UP)[None, :], 0, m - 1)
+        chunk = ctx.history[ctx.slot_ids[:, None], idx]
+        count = ctx.start - dl + 1  # [B] ∈ {1, 2}
+        logits, state = draft.forward_cached(chain_inputs(chunk, ctx.slot_ids, dl), state, window,
+                                             logits_at=(count - 1)[:, None])
+        return logits[:, 0, :], state
+
+    def sync(self, params, state: KVCache, ctx: StepContext, window: int) -> KVCache:
+        _, state = self._catch_up(self._model(params), state, ctx, window)
+        return state
+
+    def propose(self, params, state: KVCache, ctx: StepContext, k: int, window: int):
+        draft = self._model(params)
+        logits, state = self._catch_up(draft, state, ctx, window)  # logits: [B, V]
+
+        def draw(logits, i):
+            q = sampling.warp(logits, ctx.rows)  # [B, V]
+            token = sampling.sample(q, sampling.subkeys(ctx.rows.keys, i))  # [B]
+            return token, q
+
+        first, q_first = draw(logits, 0)
+
+        def step(carry, i):
+            state, token = carry
+            # feed d_i at position start + i, draw d_{i+1}
+            inputs = chain_inputs(token[:, None], ctx.slot_ids, ctx.start + i)
+            logits, state = draft.forward_cached(inputs, state, window)  # [B, 1, V]
+            nxt, q = draw(logits[:, 0, :], i)
+            return (state, nxt), (nxt, q)
+
+        (state, _), (rest, q_rest) = jax.lax.scan(step, (state, first), jnp.arange(1, k, dtype=jnp.int32))
+        # tokens: [B, K]; probs: [B, K, V]
+        tokens = jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
+        probs = jnp.concatenate([q_first[:, None, :], jnp.moveaxis(q_rest, 0, 1)], axis=1)
+        lens = jnp.full(ctx.slot_ids.shape, k, jnp.int32)
+        return Proposals(token_ids=tokens, lens=lens, draft_probs=probs), state
+
+    def commit(self, state: KVCache, ctx: StepContext, k: int, n_accepted: jax.Array) -> KVCache:
+        # The draft holds pending + d_1..d_{k-1}; keep what the target accepted.
+        valid = ctx.start + 1 + (jnp.minimum(n_accepted, k - 1) if k > 0 else 0)  # [B]
+        return state.with_lengths(ctx.slot_ids, valid)

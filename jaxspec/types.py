@@ -1,0 +1,119 @@
+"""Typed values passed between the engine's roles (no string-keyed dicts)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from models.kv_cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (host side). temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, max_tokens_limit: int | None = None) -> None:
+        """Raise ValueError with a clear message if any value is out of range."""
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
+            raise ValueError(f"max_tokens must be <= {max_tokens_limit}, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**31):
+            raise ValueError(f"seed must be in [0, 2^31), got {self.seed}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotParams:
+    """Per-slot sampling parameters as traced device arrays, each [S+1]."""
+
+    temperature: jax.Array  # float32
+    top_p: jax.Array  # float32
+    top_k: jax.Array  # int32, 0 = off
+    seed: jax.Array  # int32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowParams:
+    """The same parameters gathered for the rows of one step, each [B]."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    keys: jax.Array  # [B] typed PRNG keys, fresh for this step of this request
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Proposals:
+    """What a proposer guesses for one step.
+
+    token_ids:   [B, K] proposed tokens (padding past `lens` is ignored).
+    lens:        [B] int32, number of real proposals per row (≤ K).
+    draft_probs: [B, K, V] q after the request's warping, or None for point-mass proposals
+                 (prompt lookup): q(token_ids[b, i]) = 1.
+    """
+
+    token_ids: jax.Array
+    lens: jax.Array
+    draft_probs: jax.Array | None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything on device between steps; donated into every step.
+
+    cache:       target KV cache (lengths = committed tokens per slot).
+    pending:     [S+1] the newest token of each slot, sampled but not yet in the cache.
+    history:     [S+1, M] every token of each slot (prompt + generated); history[s, len[s]] = pending[s].
+    n_generated: [S+1] tokens generated so far (the per-request PRNG counter).
+    params:      per-slot sampling parameters.
+    proposer:    the proposer's own state (e.g. the draft KV cache), or an empty tuple.
+    """
+
+    cache: KVCache
+    pending: jax.Array
+    history: jax.Array
+    n_generated: jax.Array
+    params: SlotParams
+    proposer: object
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """Host-side result of one speculative step for the B rows of the step.
+
+    tokens:   [B, K+1] new tokens per row (accepted proposals then the bonus/resampled token).
+    counts:   [B] how many of `tokens` are real (accepted + 1).
+    proposed: [B] how many proposals each row verified.
+    """
+
+    tokens: np.ndarray
+    counts: np.ndarray
+    proposed: np.ndarray
+
+    @property
+    def accepted(self) -> np.ndarray:
+        return self.counts - 1
+
+    def row_tokens(self, row: int) -> list[int]:
+        return [int(t) for t in self.tokens[row, : self.counts[row]]]

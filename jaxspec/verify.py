@@ -1,0 +1,74 @@
+"""Verification of proposals against the target's scores (DESIGN.md §6.3).
+
+Greedy rows: accept the longest prefix equal to the target's argmax, then the target's next
+token. Sampled rows: standard speculative rejection sampling — accept proposal i with
+probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample from
+norm(max(0, p_i − q_i)); if every real proposal is accepted, the bonus token comes from p.
+Point-mass proposals (prompt lookup) use q_i(d_i) = 1 without materialising q.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import sampling
+from jaxspec.types import Proposals, RowParams
+
+# fold_in purposes for the per-row keys (distinct from the proposer's draft-sampling ones).
+ACCEPT_KEY, RESIDUAL_KEY = 1_000_001, 1_000_002
+
+
+def verify(target_logits: jax.Array, proposals: Proposals, params: RowParams) -> tuple[jax.Array, jax.Array]:
+    """Decide what each row emits this step.
+
+    target_logits: [B, K+1, V] scores for positions after [pending, d_1 .. d_K].
+    Returns (tokens [B, K+1] int32, counts [B] int32): row b emits tokens[b, :counts[b]].
+    """
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+    drafts = proposals.token_ids  # [B, K]
+    positions = jnp.arange(k, dtype=jnp.int32)[None, :]  # [1, K]
+    real = positions < proposals.lens[:, None]  # [B, K]
+
+    p = sampling.warp(target_logits, params)  # [B, K+1, V]
+    # p_draft: [B, K] = p_i(d_i) for the draft at position i (scored by logits i)
+    p_draft = jnp.take_along_axis(p[:, :k, :], drafts[:, :, None], axis=-1)[..., 0]
+    if proposals.draft_probs is None:
+        q_draft = jnp.ones_like(p_draft)
+    else:
+        q_draft = jnp.take_along_axis(proposals.draft_probs, drafts[:, :, None], axis=-1)[..., 0]
+
+    greedy_row = params.temperature <= 0.0  # [B]
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    greedy_ok = drafts == target_argmax[:, :k]  # [B, K]
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(sampling.subkeys(params.keys, ACCEPT_KEY))
+    sampled_ok = u * q_draft < p_draft  # [B, K]  (u < p/q without dividing by q)
+    ok = jnp.where(greedy_row[:, None], greedy_ok, sampled_ok) & real  # [B, K]
+    n_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
+
+    # Distribution for the token after the accepted prefix: residual on a real rejection,
+    # else the bonus from p.
+    p_next = jnp.take_along_axis(p, n_accepted[:, None, None], axis=1)[:, 0, :]  # [B, V]
+    rejected = n_accepted < proposals.lens  # [B]
+    if k > 0:
+        idx = jnp.minimum(n_accepted, k - 1)
+        if proposals.draft_probs is None:
+            rejected_token = jnp.take_along_axis(drafts, idx[:, None], axis=1)  # [B, 1]
+            q_next = jax.nn.one_hot(rejected_token[:, 0], v, dtype=p.dtype)  # [B, V]
+        else:
+            q_next = jnp.take_along_axis(proposals.draft_probs, idx[:, None, None], axis=1)[:, 0, :]
+        residual = jnp.maximum(p_next - q_next, 0.0)  # [B, V]
+        residual_mass = jnp.sum(residual, axis=-1, keepdims=True)
+        residual = jnp.where(residual_mass > 0, residual / jnp.maximum(residual_mass, 1e-30), p_next)
+        p_next = jnp.where(rejected[:, None], residual, p_next)
+    sampled_next = sampling.sample(p_next, sampling.subkeys(params.keys, RESIDUAL_KEY))  # [B]
+    greedy_next = jnp.take_along_axis(target_argmax, n_accepted[:, None], axis=1)[:, 0]  # [B]
+    next_token = jnp.where(greedy_row, greedy_next, sampled_next)
+
+    # tokens: [B, K+1] = accepted drafts, then next_token at index n_accepted, then -1
+    slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    padded_drafts = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(slots < n_accepted[:, None], padded_drafts, -1)
+    tokens = jnp.where(slots == n_accepted[:, None], next_token[:, None], tokens)
+    return tokens.astype(jnp.int32), (n_accepted + 1).astype(jnp.int32)

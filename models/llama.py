@@ -1,0 +1,344 @@
+"""Llama-family decoder in flax.nnx: Llama, SmolLM2, Qwen2 (qkv bias), Mistral.
+
+Layer weights are stored stacked along a leading layer axis and the forward runs
+`jax.lax.scan` over them: one traced layer instead of L keeps compile time flat in depth,
+which matters because the engine AOT-compiles a whole menu of shapes.
+
+Dimension names used in einsums:
+  B batch rows   T new tokens   W attended window   D model width   F FFN width
+  N query heads  K kv heads     G = N // K (query heads per kv head)   H head dim   V vocab
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from models.kv_cache import KVCache
+
+# Names of the stacked per-layer weights, in a fixed order.
+LAYER_WEIGHTS = (
+    "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
+)
+LAYER_BIASES = ("bq", "bk", "bv")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Where T new tokens per row go and what they may attend to.
+
+    tokens:     [B, T] int32 token ids.
+    slot_ids:   [B] int32 cache slot of each row (padded rows use the scratch slot).
+    start:      [B] int32 first cache position written by this call (= committed length).
+    depth:      [B, T] int32 position offset of each token (chain: 0..T-1; tree: node depth).
+    step_mask:  [B, T, T] bool, step_mask[b, t, u]: query t may attend new token u
+                (chain: lower-triangular; tree: ancestor-or-self).
+    """
+
+    tokens: jax.Array
+    slot_ids: jax.Array
+    start: jax.Array
+    depth: jax.Array
+    step_mask: jax.Array
+
+
+def chain_inputs(tokens: jax.Array, slot_ids: jax.Array, start: jax.Array) -> StepInputs:
+    """StepInputs for a plain causal chain of T tokens per row."""
+    b, t = tokens.shape
+    # depth: [B, T] = 0..T-1 ; step_mask: [B, T, T] lower-triangular
+    depth = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    step_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    return StepInputs(tokens, slot_ids, start, depth, step_mask)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in fp32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    # x32: [..., D] -> variance [..., 1]
+    variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype) * weight
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """HF-style rotary embedding (rotate-half) on x [B, T, heads, H] at positions [B, T]."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))  # [H/2]
+    # angles: [B, T, H/2] = positions[B,T,1] * inv_freq
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    # cos, sin: [B, T, 1, H]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)  # [B, T, heads, H]
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    q: [B, T, N, H]; k, v: [B, W, K, H]; mask: [B, T, W] bool -> [B, T, N, H].
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    # q: [B, T, N, H] -> [B, T, K, G, H]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    # scores: [B, K, G, T, W]
+    scores = jnp.einsum("BTKGH,BWKH->BKGTW", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(h))
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, W]
+    # out: [B, T, K, G, H] -> [B, T, N, H]
+    out = jnp.einsum("BKGTW,BWKH->BTKGH", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def window_mask(inputs: StepInputs, window: int) -> jax.Array:
+    """Mask [B, T, W] over cache positions 0..W-1 of each row's slot.
+
+    For row b with start s and T new tokens at cache positions s..s+T-1::
+
+        key position j:   0 ........ s-1 | s ...... s+T-1 | s+T ... W-1
+        query t sees:     all (history)  | step_mask[t,:] | nothing (stale)
+    """
+    t = inputs.tokens.shape[1]
+    # rel: [B, W] key position relative to the step start
+    rel = jnp.arange(window, dtype=jnp.int32)[None, :] - inputs.start[:, None]
+    history = rel < 0  # [B, W]
+    in_step = (rel >= 0) & (rel < t)  # [B, W]
+    # step_part: [B, T, W] = step_mask[b, t, rel[b, w]] where rel is inside the step
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (rel.shape[0], t, window))
+    step_part = jnp.take_along_axis(inputs.step_mask, idx, axis=2)
+    return history[:, None, :] | (in_step[:, None, :] & step_part)
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer with stacked layer weights."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        c = config
+        dtype = jnp.dtype(c.dtype)
+        L, D, F, N, K, H = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
+                            c.num_kv_heads, c.head_dim)
+
+        def normal(shape, fan_in):
+            return (jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype)
+
+        self.embed = nnx.Param(normal((c.vocab_size, D), 1.0))
+        self.attn_norm = nnx.Param(jnp.ones((L, D), dtype))
+        self.wq = nnx.Param(normal((L, D, N, H), D))
+        self.wk = nnx.Param(normal((L, D, K, H), D))
+        self.wv = nnx.Param(normal((L, D, K, H), D))
+        self.wo = nnx.Param(normal((L, N, H, D), N * H))
+        if c.qkv_bias:
+            self.bq = nnx.Param(normal((L, N, H), 10.0))
+            self.bk = nnx.Param(normal((L, K, H), 10.0))
+            self.bv = nnx.Param(normal((L, K, H), 10.0))
+        self.mlp_norm = nnx.Param(jnp.ones((L, D), dtype))
+        self.w_gate = nnx.Param(normal((L, D, F), D))
+        self.w_up = nnx.Param(normal((L, D, F), D))
+        self.w_down = nnx.Param(normal((L, F, D), F))
+        self.final_norm = nnx.Param(jnp.ones((D,), dtype))
+        if not c.tie_embeddings:
+            self.lm_head = nnx.Param(normal((D, c.vocab_size), D))
+
+    # --- pieces -------------------------------------------------------------------
+
+    def _layer_params(self) -> dict[str, jax.Array]:
+        names = LAYER_WEIGHTS + (LAYER_BIASES if self.config.qkv_bias else ())
+        return {name: getattr(self, name).value for name in names}
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] -> hidden [B, T, D]."""
+        return jnp.take(self.embed.value, tokens, axis=0)
+
+    def unembed(self, hidden: jax.Array) -> jax.Array:
+        """Final norm + LM head: hidden [B, T, D] -> logits [B, T, V] (fp32)."""
+        h = rms_norm(hidden, self.final_norm.value, self.config.rms_norm_eps)
+        if self.config.tie_embeddings:
+            # [B, T, D] x [V, D] -> [B, T, V]
+            return jnp.einsum("BTD,VD->BTV", h, self.embed.value, preferred_element_type=jnp.float32)
+        # [B, T, D] x [D, V] -> [B, T, V]
+        return jnp.einsum("BTD,DV->BTV", h, self.lm_head.value, preferred_element_type=jnp.float32)
+
+    def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable, carry_state):
+        """Scan the decoder layers. `attend(layer, q, k, v, state) -> (out, state)`."""
+        c = self.config
+
+        def layer(carry, xs):
+            x, state = carry
+            p, index = xs
+            h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)  # [B, T, D]
+            q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])  # [B, T, N, H]
+            k = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])  # [B, T, K, H]
+            v = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])  # [B, T, K, H]
+            if c.qkv_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            q = rope(q, positions, c.rope_theta)
+            k = rope(k, positions, c.rope_theta)
+            out, state = attend(index, q, k, v, state)  # out: [B, T, N, H]
+            x = x + jnp.einsum("BTNH,NHD->BTD", out, p["wo"])  # [B, T, D]
+            h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+            gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"])  # [B, T, F]
+            up = jnp.einsum("BTD,DF->BTF", h, p["w_up"])  # [B, T, F]
+            x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, p["w_down"])  # [B, T, D]
+            return (x, state), None
+
+        xs = (self._layer_params(), jnp.arange(c.num_layers, dtype=jnp.int32))
+        (x, carry_state), _ = jax.lax.scan(layer, (x, carry_state), xs)
+        return x, carry_state
+
+    # --- entry points -------------------------------------------------------------
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Cache-free causal forward: tokens [B, T] -> logits [B, T, V]. For tests and training."""
+        return self.unembed(self.hidden_states(tokens))
+
+    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+        """Cache-free causal forward to the last hidden state [B, T, D] (before the final norm)."""
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))  # [B, T, T]
+
+        def attend(index, q, k, v, state):
+            return attention(q, k, v, causal), state
+
+        x, _ = self._run_layers(self.embed_tokens(tokens), positions, attend, ())
+        return x
+
+    def forward_cached(self, inputs: StepInputs, cache: KVCache, window: int,
+                       logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Write T new tokens per row into the cache and return their logits.
+
+        Writes positions start..start+T-1 of each row's slot (lengths are NOT changed: the
+        caller commits), attends over cache positions [0, window) masked by `window_mask`.
+        `logits_at` [B, J] optionally selects which of the T positions to unembed.
+        Returns logits [B, T or J, V] (fp32) and the updated cache.
+        """
+        if window > cache.max_len:
+            raise ValueError(f"attention window {window} exceeds cache max_len {cache.max_len}")
+        b, t = inputs.tokens.shape
+        positions = inputs.start[:, None] + inputs.depth  # [B, T] RoPE positions
+        write_pos = inputs.start[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] cache slots
+        mask = window_mask(inputs, window)  # [B, T, W]
+        slots = inputs.slot_ids[:, None]  # [B, 1]
+
+        def attend(index, q, k, v, kv):
+            ck, cv = kv
+            # scatter new k/v: ck[index, slot_b, write_pos[b,t]] = k[b,t]   ([B, T, K, H] updates)
+            ck = ck.at[index, slots, write_pos].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[index, slots, write_pos].set(v.astype(cv.dtype), mode="drop")
+            # gather the attended window: [B, W, K, H]
+            kw = ck[index, inputs.slot_ids, :window]
+            vw = cv[index, inputs.slot_ids, :window]
+            return attention(q, kw, vw, mask), (ck, cv)
+
+        x, (ck, cv) = self._run_layers(self.embed_tokens(inputs.tokens), positions, attend,
+                                       (cache.k, cache.v))
+        if logits_at is not None:
+            # x: [B, T, D] -> [B, J, D]
+            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
+        return self.unembed(x), dataclasses.replace(cache, k=ck, v=cv)
+
+
+# --- conversion from / to Hugging Face layout ------------------------------------------
+
+
+def _hf_layer_tensors(config: ModelConfig, sd: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+    c = config
+    N, K, H, D = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+    pre = f"model.layers.{i}."
+    get = lambda name: np.asarray(sd[pre + name], np.float32)  # noqa: E731
+    out = {
+        "attn_norm": get("input_layernorm.weight"),
+        # HF [out, in] -> ours [in, heads, head_dim]
+        "wq": get("self_attn.q_proj.weight").T.reshape(D, N, H),
+        "wk": get("self_attn.k_proj.weight").T.reshape(D, K, H),
+        "wv": get("self_attn.v_proj.weight").T.reshape(D, K, H),
+        "wo": get("self_attn.o_proj.weight").T.reshape(N, H, D),
+        "mlp_norm": get("post_attention_layernorm.weight"),
+        "w_gate": get("mlp.gate_proj.weight").T,
+        "w_up": get("mlp.up_proj.weight").T,
+        "w_down": get("mlp.down_proj.weight").T,
+    }
+    if c.qkv_bias:
+        out["bq"] = get("self_attn.q_proj.bias").reshape(N, H)
+        out["bk"] = get("self_attn.k_proj.bias").reshape(K, H)
+        out["bv"] = get("self_attn.v_proj.bias").reshape(K, H)
+    return out
+
+
+def from_hf_state_dict(config: ModelConfig, sd: dict[str, np.ndarray]) -> Llama:
+    """Build a Llama from a Hugging Face-named state dict (float arrays, [out, in] layout)."""
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    dtype = jnp.dtype(config.dtype)
+    missing = [k for k in _expected_hf_keys(config) if k not in sd]
+    if missing:
+        raise KeyError(f"state dict is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    layers = [_hf_layer_tensors(config, sd, i) for i in range(config.num_layers)]
+    values = {name: np.stack([layer[name] for layer in layers]) for name in layers[0]}
+    values["embed"] = np.asarray(sd["model.embed_tokens.weight"], np.float32)
+    values["final_norm"] = np.asarray(sd["model.norm.weight"], np.float32)
+    if not config.tie_embeddings:
+        values["lm_head"] = np.asarray(sd["lm_head.weight"], np.float32).T
+    for name, value in values.items():
+        param = getattr(model, name)
+        if tuple(param.value.shape) != value.shape:
+            raise ValueError(f"{name}: expected shape {tuple(param.value.shape)}, got {value.shape}")
+        param.value = jnp.asarray(value, dtype)
+    return model
+
+
+def to_hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
+    """Export parameters in Hugging Face naming and [out, in] layout (float32 numpy)."""
+    c = model.config
+    N, K, H, D = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+    arr = lambda name: np.asarray(getattr(model, name).value, np.float32)  # noqa: E731
+    sd = {"model.embed_tokens.weight": arr("embed"), "model.norm.weight": arr("final_norm")}
+    if not c.tie_embeddings:
+        sd["lm_head.weight"] = arr("lm_head").T
+    stacked = {name: arr(name) for name in LAYER_WEIGHTS + (LAYER_BIASES if c.qkv_bias else ())}
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        sd[pre + "input_layernorm.weight"] = stacked["attn_norm"][i]
+        sd[pre + "post_attention_layernorm.weight"] = stacked["mlp_norm"][i]
+        sd[pre + "self_attn.q_proj.weight"] = stacked["wq"][i].reshape(D, N * H).T
+        sd[pre + "self_attn.k_proj.weight"] = stacked["wk"][i].reshape(D, K * H).T
+        sd[pre + "self_attn.v_proj.weight"] = stacked["wv"][i].reshape(D, K * H).T
+        sd[pre + "self_attn.o_proj.weight"] = stacked["wo"][i].reshape(N * H, D).T
+        sd[pre + "mlp.gate_proj.weight"] = stacked["w_gate"][i].T
+        sd[pre + "mlp.up_proj.weight"] = stacked["w_up"][i].T
+        sd[pre + "mlp.down_proj.weight"] = stacked["w_down"][i].T
+        if c.qkv_bias:
+            sd[pre + "self_attn.q_proj.bias"] = stacked["bq"][i].reshape(N * H)
+            sd[pre + "self_attn.k_proj.bias"] = stacked["bk"][i].reshape(K * H)
+            sd[pre + "self_attn.v_proj.bias"] = stacked["bv"][i].reshape(K * H)
+    return {k: np.ascontiguousarray(v) for k, v in sd.items()}
+
+
+def _expected_hf_keys(config: ModelConfig) -> list[str]:
+    keys = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_embeddings:
+        keys.append("lm_head.weight")
+    for i in range(config.num_layers):
+        pre = f"model.layers.{i}."
+        keys += [pre + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                   "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                   "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                   "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+        if config.qkv_bias:
+            keys += [pre + f"self_attn.{p}_proj.bias" for p in "qkv"]
+    return keys
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> Llama:
+    """Randomly initialised model (tiny test presets, GPU benchmarks without checkpoints)."""
+    return Llama(config, rngs=nnx.Rngs(seed))

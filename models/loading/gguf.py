@@ -1,0 +1,236 @@
+"""Read a GGUF file into a ModelConfig and a float32 state dict in Hugging Face layout.
+
+Dequantisation is the `gguf` library's (`gguf.quants.dequantize`); this module only maps names,
+shapes and metadata. GGUF lists a tensor's dims fastest-first (ne0 = in_features), so a numpy
+array has the reversed shape, which is already transformers' [out, in].
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from models.config import ModelConfig
+from models.loading.errors import ModelLoadError
+from models.loading.layout import StateDict, check_state_dict
+from models.loading.special_tokens import stop_token_ids
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+GGUFSource = str | os.PathLike[str] | gguf.GGUFReader
+
+
+def open_gguf(path: GGUFSource) -> gguf.GGUFReader:
+    """A GGUFReader for `path`, or ModelLoadError if it is missing or not a readable GGUF file.
+
+    An already open reader is passed through, so callers can share one parse of the file.
+    """
+    if isinstance(path, gguf.GGUFReader):
+        return path
+    p = Path(path)
+    if not p.is_file():
+        raise ModelLoadError(f"{p}: no such file" if not p.exists() else f"{p}: not a file")
+    try:
+        return gguf.GGUFReader(p)
+    except Exception as e:  # the reader raises assorted errors on foreign or damaged files
+        raise ModelLoadError(f"{p}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+
+def field_value(reader: gguf.GGUFReader, key: str) -> Any:
+    """The value of metadata field `key` (a list for arrays), or None if absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.contents()
+    if field.types and field.types[0] == gguf.GGUFValueType.FLOAT32:
+        value = float(str(np.float32(value)))  # shortest decimal: 1e-05, not 9.99999974738e-06
+    return value
+
+
+def reader_path(reader: gguf.GGUFReader) -> Path:
+    return Path(reader.data.filename)
+
+
+def read_gguf_metadata(path: GGUFSource, arrays: bool = False) -> dict[str, Any]:
+    """Metadata key -> value of a GGUF file, without touching tensor data.
+
+    Array fields (the tokenizer's vocabulary and merges) are left out unless `arrays` is True.
+    """
+    reader = open_gguf(path)
+    return {
+        key: field_value(reader, key)
+        for key, field in reader.fields.items()
+        if not key.startswith("GGUF.") and (arrays or field.types[:1] != [gguf.GGUFValueType.ARRAY])
+    }
+
+
+def read_gguf(path: GGUFSource) -> tuple[ModelConfig, StateDict]:
+    """Config and dequantised float32 weights (HF names, HF layout) of a llama or qwen2 GGUF file.
+
+    The config is named after the file stem.
+    """
+    reader = open_gguf(path)
+    source = str(reader_path(reader))
+    config = _config_from_reader(reader, reader_path(reader).stem, source)
+    permuted = config_arch(reader) == "llama"  # qwen2 files keep HF's row order
+    state: StateDict = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name, source)
+        array = _dequantize(tensor, source)
+        if permuted and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+            array = unpermute_qk(array, heads)
+        state[name] = array
+    check_state_dict(config, state, source)
+    return config, state
+
+
+def config_arch(reader: gguf.GGUFReader) -> str:
+    return str(field_value(reader, "general.architecture"))
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order for interleaved RoPE, giving HF's half-split order.
+
+    llama.cpp's converter stores `w.reshape(h, 2, d // 2, ...).swapaxes(1, 2)`: within each head, rows
+    from the two halves interleaved. Works for weights [h*d, in] and biases [h*d].
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ModelLoadError(f"cannot split {rows} rows into {num_heads} heads of even size")
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's permutation (the inverse of `unpermute_qk`); for writing test files."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _hf_name(name: str, source: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _BLOCK_RE.fullmatch(name)
+    if match and match.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
+    raise ModelLoadError(f"{source}: unsupported tensor {name!r} (rope scaling, MoE and extra heads are not supported)")
+
+
+def _dequantize(tensor: Any, source: str) -> np.ndarray:
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"{source}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf library cannot dequantise"
+        ) from None
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    if values.size != int(np.prod(shape)):
+        raise ModelLoadError(f"{source}: tensor {tensor.name} dequantised to {values.size} values, expected shape {shape}")
+    array = np.asarray(values, dtype=np.float32).reshape(shape)
+    if np.may_share_memory(array, tensor.data):
+        array = array.copy()  # F32 tensors are views into the memory-mapped file
+    return array
+
+
+def _int_field(reader: gguf.GGUFReader, key: str, source: str, default: int | None = None) -> int:
+    value = field_value(reader, key)
+    if value is None:
+        if default is None:
+            raise ModelLoadError(f"{source}: metadata field {key} is missing")
+        return default
+    if not isinstance(value, int):
+        raise ModelLoadError(f"{source}: metadata field {key} is {value!r}, expected one integer")
+    return value
+
+
+def _float_field(reader: gguf.GGUFReader, key: str, source: str, default: float | None = None) -> float:
+    value = field_value(reader, key)
+    if value is None:
+        if default is None:
+            raise ModelLoadError(f"{source}: metadata field {key} is missing")
+        return default
+    if not isinstance(value, (int, float)):
+        raise ModelLoadError(f"{source}: metadata field {key} is {value!r}, expected a number")
+    return float(value)
+
+
+def _config_from_reader(reader: gguf.GGUFReader, name: str, source: str) -> ModelConfig:
+    arch = config_arch(reader)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{source}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    scaling = field_value(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"{source}: RoPE scaling {scaling!r} is not supported")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{source}: missing tensor token_embd.weight")
+    vocab_size = int(tensors["token_embd.weight"].shape[1])
+    declared_vocab = field_value(reader, f"{arch}.vocab_size")
+    if declared_vocab is not None and declared_vocab != vocab_size:
+        raise ModelLoadError(f"{source}: {arch}.vocab_size={declared_vocab} but token_embd.weight has {vocab_size} rows")
+
+    hidden = _int_field(reader, f"{arch}.embedding_length", source)
+    heads = _int_field(reader, f"{arch}.attention.head_count", source)
+    kv_heads = _int_field(reader, f"{arch}.attention.head_count_kv", source, default=heads)
+    if heads <= 0:
+        raise ModelLoadError(f"{source}: {arch}.attention.head_count is {heads}")
+    if hidden % heads and field_value(reader, f"{arch}.attention.key_length") is None:
+        raise ModelLoadError(f"{source}: embedding_length {hidden} is not a multiple of head_count {heads}")
+    head_dim = _int_field(reader, f"{arch}.attention.key_length", source, default=hidden // heads)
+    rope_dims = field_value(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and rope_dims != head_dim:
+        raise ModelLoadError(f"{source}: partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported")
+
+    tokens = field_value(reader, "tokenizer.ggml.tokens") or []
+    token_ids = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
+    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+    eos = stop_token_ids(
+        [field_value(reader, "tokenizer.ggml.eos_token_id")],
+        field_value(reader, "tokenizer.chat_template"),
+        token_ids.get,
+    )
+    try:
+        return ModelConfig(
+            name=name,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            num_layers=_int_field(reader, f"{arch}.block_count", source),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=_int_field(reader, f"{arch}.feed_forward_length", source),
+            rope_theta=_float_field(reader, f"{arch}.rope.freq_base", source, default=10000.0),  # llama.cpp's default
+            rms_norm_eps=_float_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", source),
+            tie_embeddings="output.weight" not in tensors,
+            qkv_bias="blk.0.attn_q.bias" in tensors,
+            max_position_embeddings=_int_field(reader, f"{arch}.context_length", source),
+            bos_token_id=bos,
+            eos_token_ids=eos,
+        )
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: inconsistent model metadata: {e}") from None
