@@ -18,7 +18,14 @@ import orbax.checkpoint as ocp
 
 from models.config import ModelConfig
 from models.loading.errors import ModelLoadError
-from models.loading.layout import StateDict, check_state_dict, config_from_json, config_to_json, expected_shapes, read_json_object
+from models.loading.layout import (
+    StateDict,
+    check_state_dict,
+    config_from_json,
+    config_to_json,
+    expected_shapes,
+    read_json_object,
+)
 
 MARKER_FILE = "jaxspec_model.json"
 PARAMS_DIR = "params"
@@ -57,7 +64,8 @@ def read_converted_info(directory: str | os.PathLike[str]) -> tuple[ModelConfig,
     marker = read_json_object(d / MARKER_FILE)
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
         raise ModelLoadError(
-            f"{d / MARKER_FILE}: format {marker.get('format')!r} v{marker.get('version')}, expected {FORMAT!r} v{VERSION}"
+            f"{d / MARKER_FILE}: format {marker.get('format')!r} v{marker.get('version')}, "
+            f"expected {FORMAT!r} v{VERSION}"
         )
     return config_from_json(marker.get("config") or {}, str(d / MARKER_FILE)), marker.get("source")
 

@@ -96,16 +96,13 @@ def read_gguf(path: GGUFSource) -> tuple[ModelConfig, StateDict]:
     reader = open_gguf(path)
     source = str(reader_path(reader))
     config = _config_from_reader(reader, reader_path(reader).stem, source)
-    permuted = config_arch(reader) == "llama"  # qwen2 files keep HF's row order
-    state: StateDict = {}
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name, source)
-        array = _dequantize(tensor, source)
-        if permuted and (".q_proj." in name or ".k_proj." in name):
-            heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
-            array = unpermute_qk(array, heads)
-        state[name] = array
+    state = {_hf_name(t.name, source): _dequantize(t, source) for t in reader.tensors}
     check_state_dict(config, state, source)
+    if config_arch(reader) == "llama":  # qwen2 files keep HF's row order
+        for name in state:
+            if ".q_proj." in name or ".k_proj." in name:
+                heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+                state[name] = unpermute_qk(state[name], heads)
     return config, state
 
 
@@ -138,7 +135,7 @@ def _hf_name(name: str, source: str) -> str:
     match = _BLOCK_RE.fullmatch(name)
     if match and match.group(2) in _BLOCK_NAMES:
         return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{match.group(3)}"
-    raise ModelLoadError(f"{source}: unsupported tensor {name!r} (rope scaling, MoE and extra heads are not supported)")
+    raise ModelLoadError(f"{source}: unsupported tensor {name!r} (no rope scaling, MoE or extra heads)")
 
 
 def _dequantize(tensor: Any, source: str) -> np.ndarray:
@@ -146,11 +143,12 @@ def _dequantize(tensor: Any, source: str) -> np.ndarray:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
         raise ModelLoadError(
-            f"{source}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf library cannot dequantise"
+            f"{source}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
+            "which the gguf library cannot dequantise"
         ) from None
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     if values.size != int(np.prod(shape)):
-        raise ModelLoadError(f"{source}: tensor {tensor.name} dequantised to {values.size} values, expected shape {shape}")
+        raise ModelLoadError(f"{source}: tensor {tensor.name} has {values.size} values, expected shape {shape}")
     array = np.asarray(values, dtype=np.float32).reshape(shape)
     if np.may_share_memory(array, tensor.data):
         array = array.copy()  # F32 tensors are views into the memory-mapped file
@@ -182,7 +180,8 @@ def _float_field(reader: gguf.GGUFReader, key: str, source: str, default: float 
 def _config_from_reader(reader: gguf.GGUFReader, name: str, source: str) -> ModelConfig:
     arch = config_arch(reader)
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{source}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ModelLoadError(f"{source}: unsupported architecture {arch!r} (supported: {supported})")
     scaling = field_value(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ModelLoadError(f"{source}: RoPE scaling {scaling!r} is not supported")
@@ -192,7 +191,7 @@ def _config_from_reader(reader: gguf.GGUFReader, name: str, source: str) -> Mode
     vocab_size = int(tensors["token_embd.weight"].shape[1])
     declared_vocab = field_value(reader, f"{arch}.vocab_size")
     if declared_vocab is not None and declared_vocab != vocab_size:
-        raise ModelLoadError(f"{source}: {arch}.vocab_size={declared_vocab} but token_embd.weight has {vocab_size} rows")
+        raise ModelLoadError(f"{source}: {arch}.vocab_size={declared_vocab} but token_embd has {vocab_size} rows")
 
     hidden = _int_field(reader, f"{arch}.embedding_length", source)
     heads = _int_field(reader, f"{arch}.attention.head_count", source)
@@ -204,7 +203,7 @@ def _config_from_reader(reader: gguf.GGUFReader, name: str, source: str) -> Mode
     head_dim = _int_field(reader, f"{arch}.attention.key_length", source, default=hidden // heads)
     rope_dims = field_value(reader, f"{arch}.rope.dimension_count")
     if rope_dims is not None and rope_dims != head_dim:
-        raise ModelLoadError(f"{source}: partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported")
+        raise ModelLoadError(f"{source}: partial rotary embedding ({rope_dims} of {head_dim} dims) is unsupported")
 
     tokens = field_value(reader, "tokenizer.ggml.tokens") or []
     token_ids = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
@@ -224,7 +223,8 @@ def _config_from_reader(reader: gguf.GGUFReader, name: str, source: str) -> Mode
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             intermediate_size=_int_field(reader, f"{arch}.feed_forward_length", source),
-            rope_theta=_float_field(reader, f"{arch}.rope.freq_base", source, default=10000.0),  # llama.cpp's default
+            # 10000 is llama.cpp's value when a file omits the base.
+            rope_theta=_float_field(reader, f"{arch}.rope.freq_base", source, default=10000.0),
             rms_norm_eps=_float_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", source),
             tie_embeddings="output.weight" not in tensors,
             qkv_bias="blk.0.attn_q.bias" in tensors,

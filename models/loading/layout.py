@@ -47,12 +47,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_state_dict(config: ModelConfig, state_dict: Mapping[str, np.ndarray], source: str) -> None:
     """Raise ModelLoadError unless `state_dict` has exactly the float32 tensors `config` implies."""
     want = expected_shapes(config)
-    missing = sorted(set(want) - set(state_dict))
-    if missing:
-        raise ModelLoadError(f"{source}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    extra = sorted(set(state_dict) - set(want))
-    if extra:
-        raise ModelLoadError(f"{source}: unexpected tensor {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    for problem, names in (("missing", set(want) - set(state_dict)), ("unexpected", set(state_dict) - set(want))):
+        if names:
+            first, more = sorted(names)[0], len(names) - 1
+            raise ModelLoadError(f"{source}: {problem} tensor {first}" + (f" (and {more} more)" if more else ""))
     for name, shape in want.items():
         array = state_dict[name]
         if tuple(array.shape) != shape:

@@ -27,7 +27,8 @@ def config_from_hf(hf: Mapping[str, Any], name: str, source: str) -> ModelConfig
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{source}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ModelLoadError(f"{source}: unsupported architecture {arch!r} (supported: {supported})")
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{source}: activation {hf['hidden_act']!r} is not supported (only silu)")
     if hf.get("mlp_bias") or (arch != "Qwen2ForCausalLM" and hf.get("attention_bias")):
@@ -172,7 +173,8 @@ def write_safetensors_dir(
             filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, str(d / filename), metadata=metadata)
             weight_map.update(dict.fromkeys(shard, filename))
-        index = {"metadata": {"total_size": sum(a.nbytes for s in shards for a in s.values())}, "weight_map": weight_map}
+        total = sum(a.nbytes for s in shards for a in s.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (d / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(d)

@@ -36,16 +36,16 @@ def _gguf_pre_tokenizer(style: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
     """(pre-tokenizer, ignore_merges) for a GGUF `tokenizer.ggml.pre` style."""
     if style in ("smollm", "starcoder"):
         # Every digit on its own, then GPT-2's split (as the model's own tokenizer.json does).
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        ), False
+        steps = [pre_tokenizers.Digits(individual_digits=True),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        return pre_tokenizers.Sequence(steps), False
     if style == "gpt-2":
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False
     if style in ("qwen2", "llama-bpe", "llama3", "llama-v3"):
         split = _QWEN2_SPLIT if style == "qwen2" else _LLAMA3_SPLIT
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        ), style != "qwen2"
+        steps = [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        return pre_tokenizers.Sequence(steps), style != "qwen2"
     raise ModelLoadError(
         f"unsupported GGUF pre-tokenizer style {style!r} (supported: smollm, starcoder, gpt-2, qwen2, llama-bpe)"
     )
@@ -63,6 +63,8 @@ def _byte_to_char() -> dict[int, str]:
     return table
 
 
+# tokenizer_config.json key under which `save` keeps every stop id (transformers ignores it).
+_STOP_IDS_KEY = "jaxspec_eos_token_ids"
 _CHAR_TO_BYTE = {c: b for b, c in _byte_to_char().items()}
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -121,12 +123,11 @@ class TextTokenizer:
     @classmethod
     def from_gguf(cls, path: GGUFSource) -> "TextTokenizer":
         """Rebuild the byte-level BPE tokenizer stored in a GGUF file's metadata (path or open reader)."""
-
         reader = open_gguf(path)
         source = str(reader_path(reader))
         model = field_value(reader, "tokenizer.ggml.model")
         if model != "gpt2":
-            raise ModelLoadError(f"{source}: tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+            raise ModelLoadError(f"{source}: tokenizer model {model!r} is unsupported (only 'gpt2', byte BPE)")
         tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens") or []
         merges: list[str] = field_value(reader, "tokenizer.ggml.merges") or []
         types: list[int] = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -152,20 +153,19 @@ class TextTokenizer:
         tok.pre_tokenizer = pre
         tok.decoder = decoders.ByteLevel()
         # llama.cpp token types: 3 = control (special), 4 = user-defined (kept whole, not special).
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3])
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4])
+        kinds = list(zip(tokens, types))
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k == 3])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == 4])
 
         bos = field_value(reader, "tokenizer.ggml.bos_token_id")
         eos = field_value(reader, "tokenizer.ggml.eos_token_id")
-        affixes = []
-        if field_value(reader, "tokenizer.ggml.add_bos_token") and bos is not None:
-            affixes.append(("bos", bos))
-        if field_value(reader, "tokenizer.ggml.add_eos_token") and eos is not None:
-            affixes.append(("eos", eos))
-        if affixes:
-            names = {k: tokens[i] for k, i in affixes}
-            single = " ".join(([names["bos"]] if "bos" in names else []) + ["$A"] + ([names["eos"]] if "eos" in names else []))
-            tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[(tokens[i], i) for _, i in affixes])
+        add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token")) and bos is not None
+        add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token")) and eos is not None
+        if add_bos or add_eos:
+            before, after = [bos] if add_bos else [], [eos] if add_eos else []
+            single = " ".join([*(tokens[i] for i in before), "$A", *(tokens[i] for i in after)])
+            specials = [(tokens[i], i) for i in dict.fromkeys(before + after)]
+            tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
         template = field_value(reader, "tokenizer.chat_template")
         return cls(
             tok,
@@ -177,7 +177,7 @@ class TextTokenizer:
 
     @classmethod
     def from_dir(cls, directory: str | os.PathLike[str]) -> "TextTokenizer":
-        """Load tokenizer.json, with tokenizer_config.json / chat_template.jinja / generation_config.json if present."""
+        """tokenizer.json, with tokenizer_config.json, chat_template.jinja, generation_config.json if there."""
         d = Path(directory)
         path = d / "tokenizer.json"
         if not path.is_file():
@@ -206,7 +206,7 @@ class TextTokenizer:
             return i
 
         generation = _read_json(d / "generation_config.json").get("eos_token_id")
-        extra_eos = generation if isinstance(generation, list) else [generation]
+        extra_eos = (generation if isinstance(generation, list) else [generation]) + config.get(_STOP_IDS_KEY, [])
         return cls(
             tok,
             bos_token_id=token_id("bos_token"),
@@ -227,7 +227,9 @@ class TextTokenizer:
             config["eos_token"] = self._tok.id_to_token(self.eos_token_ids[0])
         if self.chat_template:
             config["chat_template"] = self.chat_template
-        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+        config[_STOP_IDS_KEY] = list(self.eos_token_ids)
+        text = json.dumps(config, indent=2, ensure_ascii=False)
+        (d / "tokenizer_config.json").write_text(text, encoding="utf-8")
 
     # --- text <-> ids ----------------------------------------------------------------
 
@@ -253,7 +255,9 @@ class TextTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """Render `messages` with the model's jinja chat template (sandboxed)."""
         if self._template is None:
             raise ValueError(f"{self.source}: tokenizer has no chat template")
@@ -261,7 +265,8 @@ class TextTokenizer:
         eos = self._tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, **kwargs
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
+                **kwargs,
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from None
@@ -284,7 +289,8 @@ class TextTokenizer:
             return "byte_level"
         if "Metaspace" in kinds or ("Replace" in kinds and "ByteFallback" in kinds):
             return "metaspace"
-        raise ModelLoadError(f"{source}: unsupported tokenizer decoder {spec.get('type')!r} (need ByteLevel or Metaspace)")
+        kind = spec.get("type")
+        raise ModelLoadError(f"{source}: unsupported tokenizer decoder {kind!r} (need ByteLevel or Metaspace)")
 
     def _bytes_of(self, i: int) -> bytes:
         if i in self._added:

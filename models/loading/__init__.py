@@ -1,0 +1,44 @@
+"""Model loading: GGUF / safetensors / orbax checkpoints into HF-layout float32 numpy weights.
+
+Every loader returns `(ModelConfig, dict[str, np.ndarray])` with transformers' parameter names
+(see `layout.expected_shapes`) and raises `ModelLoadError` on any failure.
+"""
+
+from models.loading.checkpoints import is_converted_dir, load_converted, save_converted
+from models.loading.errors import ModelLoadError
+from models.loading.gguf import read_gguf, read_gguf_metadata
+from models.loading.layout import StateDict, check_state_dict, expected_shapes
+from models.loading.registry import (
+    DEFAULT_MODEL,
+    LoadedModel,
+    ModelEntry,
+    ModelSource,
+    list_models,
+    load_model,
+    resolve_model,
+)
+from models.loading.safetensors import read_safetensors_dir, write_safetensors_dir
+from models.loading.tokenizer import StreamDecoder, TextTokenizer
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "LoadedModel",
+    "ModelEntry",
+    "ModelLoadError",
+    "ModelSource",
+    "StateDict",
+    "StreamDecoder",
+    "TextTokenizer",
+    "check_state_dict",
+    "expected_shapes",
+    "is_converted_dir",
+    "list_models",
+    "load_converted",
+    "load_model",
+    "read_gguf",
+    "read_gguf_metadata",
+    "read_safetensors_dir",
+    "resolve_model",
+    "save_converted",
+    "write_safetensors_dir",
+]
