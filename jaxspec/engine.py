@@ -303,21 +303,27 @@ class Engine:
         """One speculative step (k = 0: plain decoding) for the given slots."""
         n = len(slot_ids)
         b = smallest_at_least(self.config.batch_buckets, n, "batch")
-        lengths = self.lengths[list(slot_ids)]
-        needed = int(lengths.max()) + k + 1
+        caps = np.zeros((b,), np.int32)
+        caps[:n] = k if row_k is None else np.minimum(row_k, k)
+        # each row writes pending + its own proposals; positions past a row's cap are dropped
+        needed = int((self.lengths[list(slot_ids)] + caps[:n]).max()) + 1
         if needed > self.config.max_len:
             raise CapacityError(f"a slot needs {needed} cache positions > max_len {self.config.max_len}")
         window = smallest_at_least(self.config.window_buckets, needed, "window")
         fn = self._executable(("step", b, k, window))
         slots = np.full((b,), self.scratch_slot, np.int32)
         slots[:n] = slot_ids
-        caps = np.zeros((b,), np.int32)
-        caps[:n] = k if row_k is None else row_k
         self.state, packed = fn(self._params, self._proposer_params, self.state, slots, caps)
         packed = np.asarray(packed)[:n]  # the one host copy of this step
         result = StepResult(tokens=packed[:, : k + 1], counts=packed[:, k + 1], proposed=packed[:, k + 2])
         self.lengths[list(slot_ids)] += result.counts
         return result
+
+    def reset(self) -> None:
+        """Empty every slot with fresh device state (e.g. after a failed call left the donated
+        state invalid). Compiled executables are kept."""
+        self.state = self._init_state()
+        self.lengths[:] = 0
 
     def free(self, slot: int) -> None:
         """Forget a slot's contents (the next prefill overwrites it)."""

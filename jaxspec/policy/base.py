@@ -1,0 +1,82 @@
+"""The policy contract: every step, pick the speculation length from the compiled menu.
+
+The scheduler calls `choose(view)` before a step and `observe(view, decision, result, elapsed_s)`
+after it. Policies never touch the device and never cause a compile: they only pick among the
+menu's k values (0 included) and optional per-row caps ≤ k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable
+
+from jaxspec.types import StepResult
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchView:
+    """What a policy sees of the live batch.
+
+    request_ids:  one id per row.
+    context_lens: committed tokens per row (prompt + generated so far).
+    row_max_k:    the largest k each row can take (cache room and remaining max_tokens).
+    k_menu:       compiled speculation lengths, increasing, 0 first if present.
+    batch_bucket: the padded batch size this step will run at.
+    """
+
+    request_ids: tuple[Hashable, ...]
+    context_lens: tuple[int, ...]
+    row_max_k: tuple[int, ...]
+    k_menu: tuple[int, ...]
+    batch_bucket: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """A policy's choice for one step.
+
+    k:                  the padded speculation length (a menu value).
+    row_k:              optional per-row caps (each ≤ k); None means every row uses k.
+    predicted_goodput:  optional predicted tokens/s of each menu option considered.
+    """
+
+    k: int
+    row_k: tuple[int, ...] | None = None
+    predicted_goodput: dict[int, float] | None = None
+
+
+class Policy:
+    """Base class. Subclasses implement `choose`; `observe` and `forget` are optional."""
+
+    name: str = "policy"
+
+    def choose(self, view: BatchView) -> Decision:
+        raise NotImplementedError
+
+    def observe(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float) -> None:
+        """Learn from a finished step (acceptance, timing)."""
+
+    def forget(self, request_id: Hashable) -> None:
+        """A request finished; drop its per-request state."""
+
+
+def menu_at_most(k: int, view: BatchView) -> int:
+    """The largest menu value ≤ k."""
+    allowed = [m for m in view.k_menu if m <= k]
+    return allowed[-1] if allowed else view.k_menu[0]
+
+
+def row_caps(k: int, view: BatchView) -> tuple[int, ...]:
+    """Per-row caps min(k, row_max_k): rows near their limits speculate less, others keep k."""
+    return tuple(min(k, cap) for cap in view.row_max_k)
+
+
+def clamp_to_menu(k: int, view: BatchView) -> int:
+    """The largest menu value ≤ min(k, every row's cap)."""
+    cap = min([k, *view.row_max_k]) if view.row_max_k else k
+    allowed = [m for m in view.k_menu if m <= cap]
+    return allowed[-1] if allowed else view.k_menu[0]

@@ -1,0 +1,348 @@
+"""Step-time model T(B, k, W) = T_propose + T_verify: profiled table, least-squares fit, online correction.
+
+Three layers, each deterministic (no clock is read here):
+
+1. **Profile** (`CostProfile`): the measured seconds of every compiled step shape (B, k, W) of the
+   menu on one device for one model/draft pair (`jaxspec profile`). JSON, keyed by `ProfileKey`.
+2. **Fit** (`LinearCostFit`): non-negative least squares over the profile with features
+
+       propose:  k             (sequential draft launches)
+                 B·k           (draft tokens)
+       verify:   1             (fixed per-step overhead)
+                 B·(k+1)       (padded verified tokens)
+                 B·(k+1)·W/1024 (attention over the window)
+
+   It prices shapes the profile lacks and splits a step into T_propose + T_verify.
+3. **Online correction**: observed step time / model time, clipped to [1/c, c], averaged by an EMA
+   of weight w ≤ 0.1 per shape (B, k, W). Shapes never observed keep their profiled time: a ratio
+   learned at one shape is not carried to others (a slower draft at k = 5 says nothing about
+   k = 0); a shape is corrected once the policy runs it.
+
+Per-row pricing. A padded step of shape (B, k) verifies B·(k+1) token slots; a row capped at
+k_i < k uses k_i + 1 of them. With real tokens r = Σ_i (k_i + 1) (live rows only),
+
+    T(B, k, W, r) = factor · (T_pad(B, k, W) − c_real · (B·(k+1) − r))
+
+where c_real ≥ 0 (`real_token_s`) is the cost of one verified token that only real tokens pay
+(0 on a purely padded executable; the profiler measures it by capping every row at 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import numpy as np
+
+FORMAT = "jaxspec-cost-profile"
+VERSION = 1
+FEATURES = ("draft_steps", "draft_tokens", "step", "verify_tokens", "attention")
+_PROPOSE_FEATURES = 2  # the first two features are the propose part
+
+
+class CostModelError(ValueError):
+    """A shape the cost model cannot price, or an inconsistent profile."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileKey:
+    """What a profile is valid for: device kind, model, draft (or proposer) and the menu."""
+
+    device_kind: str
+    model: str
+    draft: str
+    batch_buckets: tuple[int, ...]
+    k_menu: tuple[int, ...]
+    window_buckets: tuple[int, ...]
+
+    def __post_init__(self):
+        for name in ("batch_buckets", "k_menu", "window_buckets"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+
+    def filename(self) -> str:
+        """`<device>__<model>__<draft>__<menu hash>.json`, filesystem-safe."""
+        menu = json.dumps([self.batch_buckets, self.k_menu, self.window_buckets])
+        digest = hashlib.sha256(menu.encode()).hexdigest()[:10]
+        safe = lambda s: re.sub(r"[^A-Za-z0-9._-]+", "-", s).strip("-") or "none"  # noqa: E731
+        return f"{safe(self.device_kind)}__{safe(self.model)}__{safe(self.draft)}__{digest}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class CostEntry:
+    """Median seconds of `samples` timed steps of shape (batch bucket, k, window)."""
+
+    batch: int
+    k: int
+    window: int
+    seconds: float
+    samples: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.batch, self.k, self.window
+
+
+@dataclasses.dataclass(frozen=True)
+class CostProfile:
+    """A device profile of the step menu. `real_token_s`: c_real (see module doc)."""
+
+    key: ProfileKey
+    entries: tuple[CostEntry, ...]
+    real_token_s: float = 0.0
+    created_unix: float = 0.0
+
+    def __post_init__(self):
+        if not self.entries:
+            raise CostModelError("a cost profile needs at least one entry")
+        shapes = [e.shape for e in self.entries]
+        if len(set(shapes)) != len(shapes):
+            raise CostModelError("duplicate (B, k, W) entries in the cost profile")
+        for e in self.entries:
+            if not (e.seconds > 0 and math.isfinite(e.seconds)):
+                raise CostModelError(f"non-positive or non-finite time in {e}")
+        if self.real_token_s < 0:
+            raise CostModelError(f"real_token_s must be >= 0, got {self.real_token_s}")
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "key": dataclasses.asdict(self.key),
+                "real_token_s": self.real_token_s, "created_unix": self.created_unix,
+                "entries": [dataclasses.asdict(e) for e in self.entries]}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "CostProfile":
+        if data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise CostModelError(f"not a {FORMAT} v{VERSION} file (format={data.get('format')!r}, "
+                                 f"version={data.get('version')!r})")
+        return cls(key=ProfileKey(**data["key"]), entries=tuple(CostEntry(**e) for e in data["entries"]),
+                   real_token_s=float(data["real_token_s"]), created_unix=float(data["created_unix"]))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, expect: ProfileKey | None = None) -> "CostProfile":
+        """Read a profile; with `expect`, raise unless it was made for exactly that key."""
+        profile = cls.from_json(json.loads(Path(path).read_text()))
+        if expect is not None and profile.key != expect:
+            raise CostModelError(f"profile {path} is for {profile.key}, not {expect}")
+        return profile
+
+
+def default_profile_dir() -> Path:
+    """$JAXSPEC_PROFILE_DIR, else ~/.cache/jaxspec/profiles."""
+    env = os.environ.get("JAXSPEC_PROFILE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "jaxspec" / "profiles"
+
+
+def load_matching_profile(key: ProfileKey, directory: str | os.PathLike | None = None) -> CostProfile | None:
+    """The saved profile for `key`, or None if there is none (the caller then profiles)."""
+    path = Path(directory or default_profile_dir()) / key.filename()
+    return CostProfile.load(path, expect=key) if path.exists() else None
+
+
+# --- least-squares fit -------------------------------------------------------------------
+
+def features(batch: int, k: int, window: int) -> np.ndarray:
+    """φ(B, k, W) in the order of FEATURES."""
+    return np.array([k, batch * k, 1.0, batch * (k + 1), batch * (k + 1) * window / 1024.0], np.float64)
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min ‖a·x − b‖ subject to x ≥ 0 (Lawson–Hanson active set; tiny problems only)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, bool)
+    for _ in range(3 * n + 10):
+        w = a.T @ (b - a @ x)
+        candidates = ~passive & (w > 1e-12 * max(1.0, np.abs(w).max()))
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, w, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            gap = x[neg] - z[neg]
+            step = np.min(np.divide(x[neg], gap, out=np.zeros_like(gap), where=gap > 0))
+            x = x + step * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCostFit:
+    """T(B, k, W) ≈ Σ_f coef_f · φ_f(B, k, W), coefficients ≥ 0 (seconds per feature unit)."""
+
+    coef: tuple[float, ...]
+
+    @classmethod
+    def fit(cls, entries: Iterable[CostEntry]) -> "LinearCostFit":
+        """Non-negative least squares on relative error (rows weighted by 1/seconds)."""
+        entries = list(entries)
+        if not entries:
+            raise CostModelError("cannot fit a cost model to no entries")
+        a = np.stack([features(e.batch, e.k, e.window) for e in entries])
+        t = np.array([e.seconds for e in entries])
+        w = 1.0 / t
+        return cls(coef=tuple(float(c) for c in _nnls(a * w[:, None], t * w)))
+
+    def propose(self, batch: int, k: int, window: int) -> float:
+        phi = features(batch, k, window)
+        return float(np.dot(self.coef[:_PROPOSE_FEATURES], phi[:_PROPOSE_FEATURES]))
+
+    def verify(self, batch: int, k: int, window: int) -> float:
+        phi = features(batch, k, window)
+        return float(np.dot(self.coef[_PROPOSE_FEATURES:], phi[_PROPOSE_FEATURES:]))
+
+    def __call__(self, batch: int, k: int, window: int) -> float:
+        return float(np.dot(self.coef, features(batch, k, window)))
+
+
+# --- the model the policy queries -----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OnlineCostConfig:
+    """Online correction: EMA weight w (≤ 0.1) and the clip c of each observed/model ratio."""
+
+    ema_weight: float = 0.05
+    ratio_clip: float = 4.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.ema_weight <= 0.1:
+            raise ValueError(f"ema_weight must be in [0, 0.1], got {self.ema_weight}")
+        if self.ratio_clip < 1.0:
+            raise ValueError(f"ratio_clip must be >= 1, got {self.ratio_clip}")
+
+
+class CostModel:
+    """Prices a step: profiled table first, then the fit; times an online correction factor."""
+
+    def __init__(self, table: Mapping[tuple[int, int, int], float], fit: LinearCostFit | None = None, *,
+                 window_buckets: tuple[int, ...] | None = None, real_token_s: float = 0.0,
+                 online: OnlineCostConfig = OnlineCostConfig()):
+        """table: (B, k, W) -> seconds. fit: prices shapes missing from the table (None: a miss
+        raises). window_buckets: the engine's attention windows (None: W = context + k + 1)."""
+        if window_buckets is not None and list(window_buckets) != sorted(set(window_buckets)):
+            raise ValueError(f"window_buckets must be increasing, got {window_buckets}")
+        if real_token_s < 0:
+            raise ValueError(f"real_token_s must be >= 0, got {real_token_s}")
+        self.table = {tuple(int(v) for v in key): float(s) for key, s in table.items()}
+        self.fit = fit
+        self.window_buckets = tuple(window_buckets) if window_buckets is not None else None
+        self.real_token_s = float(real_token_s)
+        self.online = online
+        self._factor: dict[tuple[int, int, int], float] = {}  # per-shape EMA of observed / model
+        self.observations = 0
+
+    @classmethod
+    def from_profile(cls, profile: CostProfile, online: OnlineCostConfig = OnlineCostConfig()) -> "CostModel":
+        return cls({e.shape: e.seconds for e in profile.entries}, LinearCostFit.fit(profile.entries),
+                   window_buckets=profile.key.window_buckets, real_token_s=profile.real_token_s, online=online)
+
+    @classmethod
+    def from_function(cls, fn, batch_buckets: Iterable[int], k_menu: Iterable[int], window_buckets: Iterable[int],
+                      *, real_token_s: float = 0.0, online: OnlineCostConfig = OnlineCostConfig()) -> "CostModel":
+        """A table of fn(B, k, W) over the menu plus its fit (synthetic costs for tests/benchmarks)."""
+        entries = [CostEntry(b, k, w, float(fn(b, k, w))) for b in batch_buckets for k in k_menu
+                   for w in window_buckets]
+        return cls({e.shape: e.seconds for e in entries}, LinearCostFit.fit(entries),
+                   window_buckets=tuple(window_buckets), real_token_s=real_token_s, online=online)
+
+    # --- shapes ------------------------------------------------------------------------
+
+    def window(self, context: int, k: int) -> int:
+        """The window the engine attends over: smallest bucket ≥ context + k + 1."""
+        needed = context + k + 1
+        if self.window_buckets is None:
+            return needed
+        for w in self.window_buckets:
+            if w >= needed:
+                return w
+        raise CostModelError(f"no window bucket >= {needed} in {self.window_buckets}")
+
+    def fits(self, context: int, k: int) -> bool:
+        """Whether a step at this longest context and k has a window (the engine's capacity check)."""
+        return self.window_buckets is None or context + k + 1 <= self.window_buckets[-1]
+
+    # --- prices ------------------------------------------------------------------------
+
+    def base_time(self, batch: int, k: int, window: int) -> float:
+        """Uncorrected padded-step seconds: the profiled value, else the fit."""
+        t = self.table.get((batch, k, window))
+        if t is None:
+            if self.fit is None:
+                raise CostModelError(f"shape (B={batch}, k={k}, W={window}) is not profiled and there is no fit")
+            t = self.fit(batch, k, window)
+        if not t > 0:
+            raise CostModelError(f"non-positive time {t} for (B={batch}, k={k}, W={window})")
+        return t
+
+    def factor(self, batch: int, k: int, window: int) -> float:
+        """Online correction of a shape (1 until observed)."""
+        return self._factor.get((batch, k, window), 1.0)
+
+    def padded_time(self, batch: int, k: int, window: int) -> float:
+        """factor · T_pad: every row at k."""
+        return self.factor(batch, k, window) * self.base_time(batch, k, window)
+
+    def _uncorrected(self, batch: int, k: int, window: int, real_tokens: int | None) -> float:
+        """T_pad − c_real·(B·(k+1) − r), validated."""
+        padded = batch * (k + 1)
+        r = padded if real_tokens is None else real_tokens
+        if not 0 < r <= padded:
+            raise CostModelError(f"real tokens {r} outside (0, B·(k+1) = {padded}]")
+        t = self.base_time(batch, k, window) - self.real_token_s * (padded - r)
+        if not t > 0:
+            raise CostModelError(f"step time {t} <= 0 at (B={batch}, k={k}, W={window}, r={r}): "
+                                 f"real_token_s={self.real_token_s} is too large for this profile")
+        return t
+
+    def step_time(self, batch: int, k: int, window: int, real_tokens: int | None = None) -> float:
+        """T(B, k, W, r) = factor · (T_pad − c_real·(B·(k+1) − r)); r defaults to B·(k+1)."""
+        return self.factor(batch, k, window) * self._uncorrected(batch, k, window, real_tokens)
+
+    def real_token_time(self, batch: int, k: int, window: int) -> float:
+        """∂T/∂r = factor · c_real: seconds one more real verified token adds to a step of this shape."""
+        return self.factor(batch, k, window) * self.real_token_s
+
+    def split(self, batch: int, k: int, window: int) -> tuple[float, float]:
+        """(T_propose, T_verify) of a padded step: the fit's shares of the corrected time."""
+        if self.fit is None:
+            raise CostModelError("splitting a step needs a fit")
+        p, v = self.fit.propose(batch, k, window), self.fit.verify(batch, k, window)
+        total = self.padded_time(batch, k, window)
+        return (total * p / (p + v), total * v / (p + v)) if p + v > 0 else (0.0, total)
+
+    # --- online --------------------------------------------------------------------------
+
+    def observe(self, batch: int, k: int, window: int, seconds: float, real_tokens: int | None = None) -> None:
+        """Fold one measured step into the correction:  ratio = seconds / (T_pad − c_real·gap),
+        clipped to [1/c, c];  f_shape ← (1−w)·f_shape + w·ratio  (f_shape starts at 1)."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"observed step time must be positive and finite, got {seconds}")
+        ratio = seconds / self._uncorrected(batch, k, window, real_tokens)
+        c, w = self.online.ratio_clip, self.online.ema_weight
+        ratio = min(max(ratio, 1.0 / c), c)
+        key = (batch, k, window)
+        self._factor[key] = (1 - w) * self._factor.get(key, 1.0) + w * ratio
+        self.observations += 1
+
+    def corrections(self) -> dict[str, float]:
+        """Correction factors of the observed shapes, for metrics: {'B,k,W': factor}."""
+        return {f"{b},{k},{w}": f for (b, k, w), f in sorted(self._factor.items())}
+

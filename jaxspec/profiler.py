@@ -1,0 +1,202 @@
+"""`jaxspec profile`: time every compiled step shape (B, k, W) of an engine's menu on this device.
+
+For each attention window W (one representative context per window: the shortest context that
+lands in it, since compute depends only on the static shape), each batch bucket B and each k:
+prefill B dummy slots, run one untimed step, then `repeats` timed steps, and keep the median
+seconds. Slots are re-prefilled whenever growth would move a step into another window.
+Real-token probe: for each B at the largest k, alternate the step with every row at k and with
+every row capped at 0 (row_k = 0), d_j = T_full − T_capped per pair;
+c_B = median_j d_j / (B·k) if at least 3/4 of the d_j > 0 (a consistent saving), else 0 (a padded
+executable costs the same either way and timing noise must not invent a per-token price);
+c_real = median_B c_B seconds per verified token (see policy/cost_model.py). `warmup()` runs first, so nothing compiles while timing. Profiling
+uses slots 0..max(B)−1 with dummy prompts and frees them at the end: run it before requests are
+admitted (at start-up), never on a serving engine.
+
+Library use: `profile_engine(engine, ...) -> CostProfile`; the server loads a matching profile
+(`cost_model.load_matching_profile(profile_key(engine))`) or calls this during warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from tqdm import tqdm
+
+from jaxspec.policy.cost_model import CostEntry, CostProfile, ProfileKey, default_profile_dir
+
+PROBE_PAIRS = 8  # minimum full/capped pairs per batch bucket in the real-token probe
+SIGNIFICANT_SHARE = 0.75  # share of pairs that must show a saving for c_real to count
+
+
+def _window(window_buckets: Sequence[int], needed: int) -> int:
+    for w in window_buckets:
+        if w >= needed:
+            return w
+    raise ValueError(f"no window bucket >= {needed} in {tuple(window_buckets)}")
+
+
+def default_contexts(window_buckets: Sequence[int]) -> tuple[int, ...]:
+    """One context per window: the shortest whose k = 0 step lands in it (1 for the first)."""
+    return tuple([1] + [prev + 1 for prev in window_buckets[:-1]])
+
+
+def draft_name(engine) -> str:
+    """What the profile key calls the proposer: 'ngram', 'draft:<model>', ..."""
+    proposer = engine.proposer
+    config = getattr(proposer, "config", None)
+    return f"{proposer.name}:{config.name}" if config is not None else proposer.name
+
+
+def device_kind() -> str:
+    import jax  # lazy: `jaxspec profile --help` should not start a backend
+
+    return jax.devices()[0].device_kind
+
+
+def profile_key(engine, kind: str | None = None) -> ProfileKey:
+    """The key a profile of this engine is saved and looked up under."""
+    c = engine.config
+    return ProfileKey(device_kind=kind or device_kind(), model=engine.model_config.name, draft=draft_name(engine),
+                      batch_buckets=c.batch_buckets, k_menu=c.k_menu, window_buckets=c.window_buckets)
+
+
+def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int = 5, progress: bool = True, *,
+                   real_token_probe: bool = True, clock: Callable[[], float] = time.perf_counter,
+                   wall_clock: Callable[[], float] = time.time, kind: str | None = None) -> CostProfile:
+    """Median step seconds of every (B, k, W) reached by `contexts` (default: one per window)."""
+    from jaxspec.types import SamplingParams
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    c = engine.config
+    contexts = tuple(contexts) if contexts is not None else default_contexts(c.window_buckets)
+    for ctx in contexts:
+        if not 1 <= ctx <= c.max_len - c.k_menu[-1] - 1:
+            raise ValueError(f"context {ctx} outside [1, max_len − max k − 1 = {c.max_len - c.k_menu[-1] - 1}]")
+    engine.warmup(progress=progress)
+
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=c.max_len)
+    slots = list(range(c.batch_buckets[-1]))
+
+    def prompt(ctx: int) -> list[int]:
+        # a short repeating pattern: prompt lookup finds continuations, like in real text
+        return [int(2 + (i % 7) % max(1, vocab - 2)) for i in range(ctx)]
+
+    def ensure_window(rows: list[int], k: int, window: int, ctx: int) -> None:
+        if _window(c.window_buckets, int(engine.lengths[rows].max()) + k + 1) != window:
+            for s in rows:
+                engine.prefill(s, prompt(ctx), params, seed=0)
+
+    def timed(rows: list[int], k: int, window: int, ctx: int, row_k: list[int] | None) -> float:
+        ensure_window(rows, k, window, ctx)
+        t0 = clock()
+        engine.step(rows, k, row_k)
+        return clock() - t0
+
+    def time_steps(rows: list[int], k: int, window: int, ctx: int) -> float:
+        timed(rows, k, window, ctx, None)  # untimed first run
+        return statistics.median(timed(rows, k, window, ctx, None) for _ in range(repeats))
+
+    plan = []  # (ctx, B, k, W), each shape once
+    seen = set()
+    for ctx in contexts:
+        for b in c.batch_buckets:
+            for k in c.k_menu:
+                w = _window(c.window_buckets, ctx + k + 1)
+                if (b, k, w) not in seen:
+                    seen.add((b, k, w))
+                    plan.append((ctx, b, k, w))
+
+    entries: dict[tuple[int, int, int], CostEntry] = {}
+    prefilled_ctx = None
+    for ctx, b, k, w in tqdm(plan, desc="profiling steps", unit="shape", disable=not progress, leave=False):
+        if ctx != prefilled_ctx:
+            for s in slots:
+                engine.prefill(s, prompt(ctx), params, seed=0)
+            prefilled_ctx = ctx
+        entries[(b, k, w)] = CostEntry(b, k, w, time_steps(slots[:b], k, w, ctx), repeats)
+
+    real_token_s = 0.0
+    k_top = c.k_menu[-1]
+    if real_token_probe and k_top > 0:
+        per_token = []
+        ctx = contexts[0]
+        w = _window(c.window_buckets, ctx + k_top + 1)
+        pairs = max(repeats, PROBE_PAIRS)
+        for b in tqdm(c.batch_buckets, desc="probing real-token cost", disable=not progress, leave=False):
+            rows = slots[:b]
+            timed(rows, k_top, w, ctx, [0] * b)  # untimed first run
+            # alternate full and capped steps so drift hits both alike; d_j = T_full − T_capped
+            diffs = [timed(rows, k_top, w, ctx, None) - timed(rows, k_top, w, ctx, [0] * b) for _ in range(pairs)]
+            significant = sum(d > 0 for d in diffs) >= SIGNIFICANT_SHARE * len(diffs)
+            per_token.append(statistics.median(diffs) / (b * k_top) if significant else 0.0)
+        real_token_s = statistics.median(per_token)
+
+    for s in slots:  # free the slots the dummy prompts used
+        engine.free(s)
+    return CostProfile(key=profile_key(engine, kind), entries=tuple(entries.values()),
+                       real_token_s=real_token_s, created_unix=wall_clock())
+
+
+# --- `jaxspec profile` --------------------------------------------------------------------------
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="target model (default: the embedded default)")
+    parser.add_argument("--proposer", default="ngram", choices=("none", "draft", "ngram"),
+                        help="the proposer to profile (a profile is only valid for its proposer)")
+    parser.add_argument("--draft", default=None, help="draft model (with --proposer draft)")
+    parser.add_argument("--menu", default=None,
+                        help="engine menu: a name in configs/engine.yaml or a YAML file (default: 'default')")
+    parser.add_argument("--batch-buckets", type=_ints, default=None, help="override the menu, e.g. 1,4,8")
+    parser.add_argument("--k-menu", type=_ints, default=None, help="override the menu, e.g. 0,1,2,4")
+    parser.add_argument("--window-buckets", type=_ints, default=None, help="override the menu, e.g. 256,1024")
+    parser.add_argument("--contexts", type=_ints, default=None,
+                        help="context lengths to time at (default: one per window bucket)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per shape (median kept)")
+    parser.add_argument("--no-real-token-probe", action="store_true", help="skip measuring c_real")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output JSON file (default: $JAXSPEC_PROFILE_DIR or ~/.cache/jaxspec/profiles/<key>.json)")
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def build_from_args(args: argparse.Namespace):
+    """The engine `jaxspec profile` times: jaxspec.build.build_engine with the chosen menu."""
+    from jaxspec.build import build_engine, load_engine_config  # lazy: loads JAX and the model
+
+    config = load_engine_config(args.menu, batch_buckets=args.batch_buckets, k_menu=args.k_menu,
+                                window_buckets=args.window_buckets)
+    engine, _tokenizer = build_engine(model=args.model, proposer=args.proposer, draft=args.draft, config=config)
+    return engine
+
+
+def run(args: argparse.Namespace, builder: Callable[[argparse.Namespace], object] = build_from_args) -> int:
+    """Build the engine, profile it, save the JSON (and print a table or the JSON). Returns 0."""
+    engine = builder(args)
+    profile = profile_engine(engine, contexts=args.contexts, repeats=args.repeats, progress=not args.no_progress,
+                             real_token_probe=not args.no_real_token_probe)
+    out = args.out or default_profile_dir() / profile.key.filename()
+    profile.save(out)
+    if args.json:
+        print(json.dumps(profile.to_json(), indent=1))
+    else:
+        print(f"{profile.key.device_kind} {profile.key.model} / {profile.key.draft}: "
+              f"{len(profile.entries)} shapes, c_real = {profile.real_token_s * 1e6:.2f} µs/token")
+        for e in sorted(profile.entries, key=lambda e: (e.window, e.batch, e.k)):
+            print(f"  B={e.batch:<3d} k={e.k:<2d} W={e.window:<5d} {e.seconds * 1e3:9.3f} ms")
+    print(f"saved {out}", file=sys.stderr)
+    return 0

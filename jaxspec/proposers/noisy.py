@@ -1,0 +1,52 @@
+"""A proposer of controlled acceptance for tests and benchmarks.
+
+Wraps another proposer (typically the target as its own draft, acceptance 1 at temperature 0)
+and replaces each proposal, independently with probability 1 − α, by a different token. At
+temperature 0 with a perfect inner proposer, each proposal is then accepted with probability α.
+Replaced proposals become point masses (draft_probs = None), which keeps verification exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.proposers.base import Proposer, StepContext
+from jaxspec.types import Proposals
+
+_NOISE_KEY = 2_000_003
+
+
+class NoisyProposer(Proposer):
+    """`inner`'s proposals, each kept with probability `alpha`, else shifted to another token."""
+
+    def __init__(self, inner: Proposer, alpha: float, vocab_size: int):
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        self.inner, self.alpha, self.vocab_size = inner, float(alpha), vocab_size
+        self.name = f"noisy({inner.name},{alpha:g})"
+        self.config = getattr(inner, "config", None)
+
+    def init_state(self, num_slots, max_len):
+        return self.inner.init_state(num_slots, max_len)
+
+    def params(self):
+        return self.inner.params()
+
+    def prefill(self, params, state, inputs, n_valid, window):
+        return self.inner.prefill(params, state, inputs, n_valid, window)
+
+    def sync(self, params, state, ctx, window):
+        return self.inner.sync(params, state, ctx, window)
+
+    def commit(self, state, ctx, k, n_accepted):
+        return self.inner.commit(state, ctx, k, n_accepted)
+
+    def propose(self, params, state, ctx: StepContext, k: int, window: int):
+        proposals, state = self.inner.propose(params, state, ctx, k, window)
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, _NOISE_KEY))(ctx.rows.keys)
+        # keep: [B, K] Bernoulli(alpha); shift: [B, K] in [1, V) so a replaced token always differs
+        keep = jax.vmap(lambda key: jax.random.bernoulli(key, self.alpha, (k,)))(keys)
+        shift = jax.vmap(lambda key: jax.random.randint(jax.random.fold_in(key, 1), (k,), 1, self.vocab_size))(keys)
+        noisy = jnp.where(keep, proposals.token_ids, (proposals.token_ids + shift) % self.vocab_size)
+        return Proposals(token_ids=noisy.astype(jnp.int32), lens=proposals.lens, draft_probs=None), state

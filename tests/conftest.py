@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny models, reference greedy decoding, a persistent compile cache."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), "jaxspec-test-xla"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxspec.engine import enable_compilation_cache  # noqa: E402
+from models.config import TINY  # noqa: E402
+from models.llama import random_model  # noqa: E402
+
+enable_compilation_cache()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return random_model(TINY, seed=0)
+
+
+def reference_greedy(model, prompt: list[int], n: int, width: int = 128) -> list[int]:
+    """Plain greedy decoding with the cache-free causal forward (independent of the engine).
+
+    Tokens are right-padded to a fixed `width` so one compiled forward serves every length.
+    """
+    forward = _jitted_forward(model)
+    tokens = list(prompt)
+    for _ in range(n):
+        padded = np.zeros((1, width), np.int32)
+        padded[0, : len(tokens)] = tokens
+        logits = forward(padded)  # [1, width, V]
+        tokens.append(int(np.argmax(np.asarray(logits[0, len(tokens) - 1]))))
+    return tokens[len(prompt):]
+
+
+_FORWARDS: dict[int, object] = {}
+
+
+def _jitted_forward(model):
+    if id(model) not in _FORWARDS:
+        from flax import nnx
+        graphdef, params = nnx.split(model)
+        jitted = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+        _FORWARDS[id(model)] = lambda tokens: jitted(params, tokens)
+    return _FORWARDS[id(model)]
+
+
+def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(2, vocab, size=n)] for n in lengths]

@@ -1,0 +1,128 @@
+"""Acceptance estimates: truncated counts, convergence, tracking a change, prior, positions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxspec.policy.acceptance import (AcceptanceConfig, AcceptanceTracker, expected_tokens,
+                                       expected_tokens_positional, truncated_counts)
+from tests.policy.sim import simulate_result
+
+
+def test_truncated_counts():
+    assert truncated_counts(0, 4) == (0, 1)  # rejected at position 1
+    assert truncated_counts(2, 4) == (2, 3)  # 2 accepted, rejected at 3
+    assert truncated_counts(4, 4) == (4, 4)  # ran out of proposals: no failure observed
+    assert truncated_counts(0, 0) == (0, 0)
+    with pytest.raises(ValueError):
+        truncated_counts(5, 4)
+    with pytest.raises(ValueError):
+        truncated_counts(-1, 4)
+
+
+def _feed(tracker, rid, alpha, k, steps, rng):
+    naive_a = naive_n = 0
+    for _ in range(steps):
+        res = simulate_result([alpha], [k], rng)
+        tracker.observe(rid, int(res.accepted[0]), k)
+        naive_a += int(res.accepted[0])
+        naive_n += k
+    return naive_a / naive_n
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.5, 0.9])
+def test_converges_to_alpha(alpha):
+    rng = np.random.default_rng(1)
+    tracker = AcceptanceTracker(AcceptanceConfig(request_decay=0.99))
+    naive = _feed(tracker, "r", alpha, 4, 2000, rng)
+    assert tracker.alpha("r") == pytest.approx(alpha, abs=0.04)
+    assert tracker.global_alpha() == pytest.approx(alpha, abs=0.03)
+    if alpha == 0.9:  # accepted / proposed would be biased low by the truncation
+        assert naive < alpha - 0.1
+
+
+def test_follows_a_change_of_alpha():
+    rng = np.random.default_rng(2)
+    tracker = AcceptanceTracker()  # request_decay 0.9: memory of ~10 verifies
+    _feed(tracker, "r", 0.9, 4, 200, rng)
+    assert tracker.alpha("r") > 0.75
+    _feed(tracker, "r", 0.2, 4, 40, rng)
+    assert tracker.alpha("r") == pytest.approx(0.2, abs=0.12)
+    _feed(tracker, "r", 0.8, 4, 40, rng)
+    assert tracker.alpha("r") == pytest.approx(0.8, abs=0.12)
+
+
+def test_prior_from_the_global_rate_for_new_requests():
+    rng = np.random.default_rng(3)
+    tracker = AcceptanceTracker(AcceptanceConfig(initial_alpha=0.5, prior_strength=4.0))
+    assert tracker.alpha("new") == 0.5
+    for rid in range(20):
+        _feed(tracker, rid, 0.85, 4, 20, rng)
+    assert tracker.alpha("unseen") == pytest.approx(0.85, abs=0.05)
+    # one bad verify moves a new request only part of the way (prior strength 4 pseudo-trials)
+    tracker.observe("fresh", 0, 4)
+    assert 0.5 < tracker.alpha("fresh") < tracker.global_alpha()
+    tracker.forget("fresh")
+    assert tracker.observations("fresh") == 0
+    assert tracker.alpha("fresh") == tracker.global_alpha()
+
+
+def test_zero_proposals_carry_no_information():
+    tracker = AcceptanceTracker()
+    tracker.observe("r", 0, 0)
+    assert tracker.observations("r") == 0 and tracker.tracked == 0
+    with pytest.raises(ValueError):
+        tracker.observe("r", 1, 0)
+
+
+def test_per_position_rates():
+    """Position j accepted with its own rate given 1..j−1 were: the estimator recovers each."""
+    rng = np.random.default_rng(4)
+    rates = [0.9, 0.6, 0.3, 0.3]
+    tracker = AcceptanceTracker(AcceptanceConfig(request_decay=0.999, global_decay=0.9999, max_positions=4))
+    for _ in range(4000):
+        a = 0
+        while a < 4 and rng.random() < rates[a]:
+            a += 1
+        tracker.observe("r", a, 4)
+    est = tracker.position_alphas("r")
+    np.testing.assert_allclose(est, rates, atol=0.05)
+    np.testing.assert_allclose(tracker.global_position_alphas(), rates, atol=0.05)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(1.0 - 1e-12, 5) == pytest.approx(6.0)
+    for a in (0.3, 0.9, 0.999):
+        for k in range(9):
+            assert expected_tokens(a, k) == pytest.approx(sum(a ** j for j in range(k + 1)), rel=1e-9)
+    grid = expected_tokens(np.array([[0.5], [1.0]]), np.arange(3)[None, :])
+    np.testing.assert_allclose(grid, [[1, 1.5, 1.75], [1, 2, 3]])
+    assert expected_tokens_positional(np.array([0.5, 0.5]), 4) == pytest.approx(expected_tokens(0.5, 4))
+    assert expected_tokens_positional(np.array([1.0, 0.5, 0.0]), 3) == pytest.approx(1 + 1 + 0.5)
+    with pytest.raises(ValueError):
+        expected_tokens(0.5, -1)
+
+
+def test_config_validation():
+    for bad in (dict(initial_alpha=1.5), dict(prior_strength=0), dict(request_decay=0), dict(max_positions=0)):
+        with pytest.raises(ValueError):
+            AcceptanceConfig(**bad)
+
+
+def test_idle_steps_relax_toward_the_global_rate():
+    rng = np.random.default_rng(6)
+    tracker = AcceptanceTracker(AcceptanceConfig(idle_decay=0.98))
+    _feed(tracker, "good", 0.9, 4, 200, rng)
+    _feed(tracker, "bad", 0.05, 4, 30, rng)
+    low = tracker.alpha("bad")
+    for _ in range(300):  # k = 0 steps
+        tracker.observe("bad", 0, 0)
+    assert tracker.alpha("bad") == pytest.approx(tracker.global_alpha(), abs=0.02) and tracker.alpha("bad") > low + 0.3
+    frozen = AcceptanceTracker(AcceptanceConfig(idle_decay=1.0))
+    _feed(frozen, "bad", 0.05, 4, 30, rng)
+    before = frozen.alpha("bad")
+    frozen.observe("bad", 0, 0)
+    assert frozen.alpha("bad") == before

@@ -1,0 +1,295 @@
+"""Goodput policy: sensible choices, equality with brute force, per-row k, closed-loop behaviour, log."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from jaxspec.policy.acceptance import AcceptanceConfig, AcceptanceTracker, expected_tokens
+from jaxspec.policy.base import BatchView
+from jaxspec.policy.cost_model import CostModel, CostModelError
+from jaxspec.policy.goodput import GoodputConfig, GoodputPerRequestPolicy, GoodputPolicy
+from jaxspec.types import StepResult
+from tests.policy.sim import MENU_K, allowed_rows, cost_model, linear_cost, run, simulate_result, view
+
+
+class Pinned:
+    """An acceptance source with fixed per-request α (unit tests of the choice alone)."""
+
+    def __init__(self, alphas):
+        self.alphas = dict(alphas)
+
+    def alpha(self, rid):
+        return self.alphas[rid]
+
+    def observe(self, rid, accepted, proposed):
+        pass
+
+    def forget(self, rid):
+        pass
+
+
+def policy(alphas, fn=None, real_token_s=0.0, per_request=False):
+    cls = GoodputPerRequestPolicy if per_request else GoodputPolicy
+    return cls(cost_model(fn, real_token_s=real_token_s), Pinned(enumerate(alphas)))
+
+
+# --- the choice -----------------------------------------------------------------------------
+
+def test_large_k_alone_with_high_acceptance():
+    d = policy([0.9]).choose(view(1))
+    assert d.k >= 5
+    assert set(d.predicted_goodput) == set(MENU_K)
+    assert d.predicted_goodput[d.k] == max(d.predicted_goodput.values())
+
+
+def test_no_speculation_with_low_acceptance():
+    assert policy([0.1]).choose(view(1)).k == 0
+
+
+def test_no_speculation_at_a_large_batch_with_costly_verification():
+    costly = linear_cost(step=5e-3, per_token=1e-3, draft_step=0.5e-3)  # compute-bound verify
+    assert policy([0.9]).choose(view(1)).k > 0
+    assert policy([0.6], costly).choose(view(1)).k > 0
+    assert policy([0.6] * 16, costly).choose(view(16)).k == 0
+
+
+def _brute_force(v: BatchView, alphas, model: CostModel) -> tuple[int, dict[int, float]]:
+    longest = max(v.context_lens)
+    scores = {}
+    for k in v.k_menu:
+        if not model.fits(longest, k) or (k > max(v.row_max_k) and k != v.k_menu[0]):
+            continue
+        ks = [min(k, c) for c in v.row_max_k]
+        tokens = sum(sum(a ** j for j in range(ki + 1)) for a, ki in zip(alphas, ks))
+        t = model.step_time(v.batch_bucket, k, model.window(longest, k), sum(ki + 1 for ki in ks))
+        scores[k] = tokens / t
+    best = max(scores.values())
+    return min(k for k, s in scores.items() if s == best), scores
+
+
+def _random_case(rng):
+    fn = linear_cost(step=rng.uniform(1e-3, 20e-3), per_token=rng.uniform(0, 1e-3),
+                     draft_step=rng.uniform(0, 3e-3), draft_token=rng.uniform(0, 0.2e-3),
+                     attention=rng.uniform(0, 0.5e-3))
+    n = int(rng.integers(1, 17))
+    alphas = list(rng.uniform(0, 1, n))
+    caps = list(rng.integers(0, 9, n))
+    ctx = int(rng.integers(1, 1020))
+    return fn, alphas, view(n, ctx=ctx, caps=caps)
+
+
+def test_choice_equals_brute_force_over_the_menu():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        fn, alphas, v = _random_case(rng)
+        p = policy(alphas, fn, real_token_s=rng.choice([0.0, 0.01e-3]))
+        d = p.choose(v)
+        k, scores = _brute_force(v, alphas, p.cost)
+        assert d.k == k
+        assert d.predicted_goodput == pytest.approx(scores, rel=1e-9)
+        assert d.k in v.k_menu
+        rows = allowed_rows(d, v.batch_size)
+        assert all(r <= c for r, c in zip(rows, v.row_max_k))
+
+
+def test_per_request_allocation_equals_brute_force():
+    rng = np.random.default_rng(1)
+    menu = (0, 1, 2, 4)
+    for _ in range(150):
+        n = int(rng.integers(1, 4))
+        alphas = list(rng.uniform(0, 1, n))
+        caps = list(rng.integers(0, 5, n))
+        v = view(n, caps=caps, k_menu=menu)
+        p = policy(alphas, linear_cost(step=rng.uniform(1e-3, 5e-3), per_token=rng.uniform(0.1e-3, 1e-3),
+                                       draft_step=rng.uniform(0, 1e-3)),
+                   real_token_s=rng.uniform(0, 0.1e-3), per_request=True)
+        for big_k in menu:  # online corrections scale the per-token price too
+            p.cost.observe(v.batch_bucket, big_k, 256, seconds=rng.uniform(0.5, 2) * p.cost.step_time(
+                v.batch_bucket, big_k, 256))
+        d = p.choose(v)
+        best = {}
+        for big_k in menu:
+            if big_k > max(caps) and big_k != menu[0]:
+                continue
+            w = p.cost.window(100, big_k)
+            best[big_k] = max(
+                sum(expected_tokens(a, ki) for a, ki in zip(alphas, ks))
+                / p.cost.step_time(v.batch_bucket, big_k, w, sum(ki + 1 for ki in ks))
+                for ks in itertools.product(*[range(min(big_k, c) + 1) for c in caps]))
+        assert d.predicted_goodput == pytest.approx(best, rel=1e-9)
+        assert d.k == min(k for k, s in best.items() if s == pytest.approx(max(best.values()), rel=1e-12))
+        rows = allowed_rows(d, n)
+        assert all(r <= min(d.k, c) for r, c in zip(rows, caps))
+
+
+def test_per_request_gives_low_acceptance_rows_smaller_k():
+    alphas = [0.95, 0.9, 0.3, 0.05]
+    d = policy(alphas, real_token_s=0.2e-3, per_request=True).choose(view(4))
+    assert d.row_k is not None and d.k == max(d.row_k)
+    assert d.row_k[0] >= d.row_k[1] >= d.row_k[2] >= d.row_k[3]
+    assert d.row_k[0] > d.row_k[2] and d.row_k[3] == 0
+    # without a per-token price the padded step costs the same: every useful row takes k
+    d0 = policy(alphas, real_token_s=0.0, per_request=True).choose(view(4))
+    assert d0.row_k == (d0.k,) * 4
+    assert d0.k == policy(alphas).choose(view(4)).k
+
+
+def test_respects_row_caps_menu_and_cache_room():
+    d = policy([0.95, 0.95]).choose(view(2, caps=(8, 1)))
+    assert d.k == 8 and d.row_k == (8, 1)
+    d = policy([0.95]).choose(view(1, caps=(3,)))
+    assert d.k == 3 and d.row_k is None
+    d = policy([0.95]).choose(view(1, k_menu=(0, 2, 5)))
+    assert d.k == 5 and set(d.predicted_goodput) == {0, 2, 5}
+    # a context at the end of the cache: only k with context + k + 1 <= max window are options
+    d = policy([0.95]).choose(view(1, ctx=1020))
+    assert set(d.predicted_goodput) == {0, 1, 2, 3} and d.k == 3
+    with pytest.raises(CostModelError):
+        policy([0.95]).choose(view(1, ctx=1024))
+
+
+def test_positional_rates_change_the_expectation():
+    tracker = AcceptanceTracker(AcceptanceConfig(request_decay=0.999, max_positions=8))
+    rng = np.random.default_rng(5)
+    for _ in range(3000):  # position 1 is easy, later positions are hard
+        a = 0
+        while a < 8 and rng.random() < (0.95 if a == 0 else 0.2):
+            a += 1
+        tracker.observe("r", a, 8)
+    fn = linear_cost(step=10e-3, draft_step=1.5e-3)
+    scalar = GoodputPolicy(cost_model(fn), tracker).choose(view(1, ids=["r"]))
+    positional = GoodputPolicy(cost_model(fn), tracker, GoodputConfig(positional=True)).choose(view(1, ids=["r"]))
+    assert positional.k == 1  # exactly the one cheap, likely token
+    assert scalar.k != 1
+
+
+# --- closed loop ----------------------------------------------------------------------------------
+
+def _fixed_goodput(k, alphas, fn, steps=400):
+    class Fixed:
+        def choose(self, v):
+            from jaxspec.policy.base import Decision
+            return Decision(k=k)
+
+        def observe(self, *a):
+            pass
+    return run(Fixed(), lambda t: alphas, steps, fn, seed=11)["goodput"]
+
+
+@pytest.mark.parametrize("alphas", [[0.9], [0.1], [0.8] * 4, [0.6] * 16])
+def test_closed_loop_matches_the_best_fixed_k(alphas):
+    """Learning α online from simulated verifies, the policy does as well as the best fixed k."""
+    fn = linear_cost(step=5e-3, per_token=0.3e-3, draft_step=0.5e-3)
+    p = GoodputPolicy(cost_model(fn), AcceptanceTracker())
+    result = run(p, lambda t: alphas, 400, fn, seed=11)
+    best = max(_fixed_goodput(k, alphas, fn) for k in MENU_K)
+    assert result["goodput"] >= 0.93 * best
+
+
+def test_adapts_when_acceptance_drops_and_recovers():
+    """α 0.9 -> 0.05 -> 0.9: k falls to 0 (with rare k = 1 probes, from the idle relaxation toward
+    the global rate) and climbs back once probes succeed again."""
+    fn = linear_cost()
+    p = GoodputPolicy(cost_model(fn), AcceptanceTracker())
+    ks = np.array(run(p, lambda t: [0.9] if t < 150 or t >= 400 else [0.05], 550, fn, seed=3)["ks"])
+    assert ks[100:150].mean() >= 6
+    assert (ks[250:400] == 0).mean() >= 0.75 and ks[250:400].max() <= 1
+    assert ks[450:550].mean() >= 5
+
+
+def test_a_new_request_starts_at_the_global_rate():
+    fn = linear_cost()
+    tracker = AcceptanceTracker()
+    p = GoodputPolicy(cost_model(fn), tracker)
+    run(p, lambda t: [0.9], 100, fn, seed=4)
+    assert p.choose(view(1, ids=["brand-new"])).k >= 4
+
+
+def test_online_cost_drift_changes_the_choice():
+    """The profile says drafting is cheap; the device says it is not: k falls as the model learns."""
+    profiled = linear_cost(step=10e-3, draft_step=0.2e-3)
+    actual = linear_cost(step=10e-3, draft_step=6e-3)
+    p = GoodputPolicy(cost_model(profiled, ema_weight=0.1), Pinned({0: 0.6}))
+    first = p.choose(view(1)).k
+    result = run(p, lambda t: [0.6], 300, actual, seed=5)
+    assert first >= 3 and result["ks"][-1] <= 1
+
+
+# --- contract details ------------------------------------------------------------------------------
+
+def test_observe_updates_acceptance_cost_and_log():
+    fn = linear_cost()
+    p = GoodputPolicy(cost_model(fn, ema_weight=0.1), AcceptanceTracker())
+    v = view(2, ids=["a", "b"], caps=(8, 2))
+    d = p.choose(v)
+    res = simulate_result([1.0, 0.0], allowed_rows(d, 2), np.random.default_rng(0))
+    p.observe(v, d, res, elapsed_s=0.05)
+    assert p.acceptance.observations("a") == 1 and p.acceptance.observations("b") == 1
+    assert p.acceptance.alpha("a") > p.acceptance.alpha("b")
+    assert p.cost.observations == 1
+    rec = p.log.to_dicts()[0]
+    assert rec["k"] == d.k and rec["batch"] == 2 and rec["bucket"] == 2
+    assert rec["tokens"] == int(res.counts.sum()) and rec["seconds"] == 0.05
+    assert rec["goodput"] == pytest.approx(rec["tokens"] / 0.05)
+    assert set(rec["predicted_goodput"]) == {str(k) for k in MENU_K}
+    expected = expected_tokens(0.5, min(d.k, 8)) + expected_tokens(0.5, min(d.k, 2))  # both at the prior
+    assert rec["predicted_tokens"] == pytest.approx(expected)
+    json.dumps(p.log.to_dicts())
+    p.forget("a")
+    assert p.acceptance.observations("a") == 0
+
+
+def test_observe_rejects_inconsistent_results():
+    p = policy([0.5])
+    v = view(1)
+    d = p.choose(v)
+    bad = StepResult(tokens=np.zeros((1, d.k + 2), np.int32), counts=np.array([1]), proposed=np.array([d.k + 1]))
+    with pytest.raises(ValueError, match="allowed"):
+        p.observe(v, d, bad, 0.01)
+    with pytest.raises(ValueError):
+        p.observe(v, d, simulate_result([0.5], [d.k], np.random.default_rng(0)), -1.0)
+
+
+def test_an_untimed_step_updates_acceptance_but_not_the_cost_model():
+    """A scheduler under a test clock that stands still reports elapsed 0: no timing evidence."""
+    p = GoodputPolicy(cost_model(), AcceptanceTracker())
+    v = view(1, ids=["r"])
+    d = p.choose(v)
+    p.observe(v, d, simulate_result([1.0], [d.k], np.random.default_rng(0)), 0.0)
+    assert p.cost.observations == 0 and p.acceptance.observations("r") == 1
+    assert p.log.to_dicts()[0]["goodput"] is None and p.log.summary()["goodput"] is None
+
+
+def test_short_proposals_count_as_rejections():
+    """Prompt lookup may propose fewer tokens than allowed; E_i(k) must predict what k yields."""
+    v = view(1, ids=["r"])
+    short = StepResult(tokens=np.zeros((1, 5), np.int32), counts=np.array([3]), proposed=np.array([2]))
+    from jaxspec.policy.base import Decision
+    d = Decision(k=4)
+    strict = GoodputPolicy(cost_model(), AcceptanceTracker())
+    strict.observe(v, d, short, 0.01)
+    lenient = GoodputPolicy(cost_model(), AcceptanceTracker(), GoodputConfig(short_proposal_is_rejection=False))
+    lenient.observe(v, d, short, 0.01)
+    assert strict.acceptance.alpha("r") < lenient.acceptance.alpha("r")
+
+
+def test_decision_log_is_bounded_and_summarised():
+    fn = linear_cost()
+    p = GoodputPolicy(cost_model(fn), AcceptanceTracker(), GoodputConfig(log_size=50))
+    run(p, lambda t: [0.8, 0.7], 120, fn, seed=6)
+    assert len(p.log) == 50 and p.log.steps == 120
+    s = p.log.summary()
+    assert s["steps"] == 120 and s["kept"] == 50
+    assert s["goodput"] == pytest.approx(s["tokens"] / s["seconds"])
+    assert s["time_ratio"] == pytest.approx(1.0, rel=0.05)  # the synthetic device is the profile
+    assert 0.7 < s["prediction_ratio"] < 1.3
+    assert p.log.to_dicts()[0]["step"] == 70
+
+
+def test_empty_view_is_an_error():
+    with pytest.raises(ValueError):
+        policy([]).choose(BatchView((), (), (), MENU_K, 1))

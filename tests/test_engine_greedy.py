@@ -1,0 +1,128 @@
+"""Greedy equality: every proposer × every k of the menu × batch {1, 3, 8} equals plain decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxspec import compile_counter
+from jaxspec.engine import CapacityError, Engine, EngineConfig, MenuMissError
+from jaxspec.proposers.draft_model import DraftModelProposer
+from jaxspec.proposers.noisy import NoisyProposer
+from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.types import SamplingParams
+from models.config import TINY
+from models.llama import random_model
+from tests.conftest import random_prompts, reference_greedy
+
+MENU = EngineConfig(num_slots=8, max_len=128, batch_buckets=(1, 8), k_menu=(0, 1, 2, 3, 4, 5, 6, 8),
+                    window_buckets=(128,), prefill_buckets=(32,))
+N_NEW = 16
+PROMPT_LENGTHS = (5, 40, 11, 23, 7, 33, 2, 18)
+
+
+def _repetitive(prompt: list[int], continuation: list[int]) -> list[int]:
+    """A prompt that already contains its own greedy continuation (so prompt lookup hits)."""
+    return prompt + continuation[:10] + prompt[-3:]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    prompts = random_prompts(PROMPT_LENGTHS, TINY.vocab_size, seed=1)
+    prompts = [_repetitive(p, reference_greedy(tiny_model, p, 10)) for p in prompts]
+    return prompts, [reference_greedy(tiny_model, p, N_NEW) for p in prompts]
+
+
+def _proposers(target):
+    return {
+        "ngram": lambda: PromptLookupProposer(),
+        "draft-self": lambda: DraftModelProposer(target),
+        "draft-truncated": lambda: DraftModelProposer(_truncated(target, 1)),
+        "noisy-0.6": lambda: NoisyProposer(DraftModelProposer(target), 0.6, TINY.vocab_size),
+    }
+
+
+def _truncated(target, layers: int):
+    """A copy of the target with only its first `layers` layers (a cheap, imperfect draft)."""
+    from models.llama import from_hf_state_dict, to_hf_state_dict
+    return from_hf_state_dict(target.config.replace(num_layers=layers), to_hf_state_dict(target))
+
+
+def run_greedy(engine: Engine, prompts, k: int, n_new: int) -> tuple[list[list[int]], float]:
+    slots = list(range(len(prompts)))
+    outputs = [[engine.prefill(s, p, SamplingParams())] for s, p in zip(slots, prompts)]
+    accepted, proposed = 0, 0
+    while True:
+        rows = [row for row, out in enumerate(outputs) if len(out) < n_new]  # finished rows retire
+        if not rows:
+            break
+        result = engine.step([slots[row] for row in rows], k)
+        for i, row in enumerate(rows):
+            outputs[row] += result.row_tokens(i)
+        accepted += int(result.accepted.sum())
+        proposed += int(result.proposed.sum())
+    return [o[:n_new] for o in outputs], accepted / max(proposed, 1)
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-self", "draft-truncated", "noisy-0.6"])
+def test_greedy_equals_plain_decoding(tiny_model, references, name):
+    compile_counter.install()
+    engine = Engine(tiny_model, _proposers(tiny_model)[name](), MENU)
+    engine.warmup(progress=False)
+    compiles = compile_counter.count()
+    prompts, expected = references
+    rates = {}
+    for k in MENU.k_menu:
+        for batch in (1, 3, 8):
+            outputs, rates[k, batch] = run_greedy(engine, prompts[:batch], k, N_NEW)
+            for row, (out, ref) in enumerate(zip(outputs, expected)):
+                assert out == ref, f"{name} k={k} batch={batch} row={row}"
+    assert compile_counter.count() == compiles, "a step compiled after warm-up"
+    if name == "draft-self":  # the target as its own draft accepts everything at temperature 0
+        assert all(r == 1.0 for (k, _), r in rates.items() if k > 0)
+    else:
+        assert any(r > 0 for (k, _), r in rates.items() if k > 0), "nothing was ever accepted"
+
+
+def test_plain_engine_and_menu_errors(tiny_model, references):
+    engine = Engine(tiny_model, None, MENU.replace(batch_buckets=(1,)))
+    assert engine.config.k_menu == (0,)
+    engine.warmup(progress=False)
+    prompts, expected = references
+    outputs, _ = run_greedy(engine, prompts[:1], 0, N_NEW)
+    assert outputs[0] == expected[0]
+    with pytest.raises(MenuMissError):
+        engine.step([0], 3)
+    with pytest.raises(MenuMissError):
+        engine.step([0, 1], 0)
+    with pytest.raises(CapacityError):
+        engine.prefill(1, list(range(2, 2 + MENU.max_len)), SamplingParams())
+    with pytest.raises(ValueError):
+        engine.prefill(1, [], SamplingParams())
+
+
+def test_vocab_mismatch_is_a_clear_error(tiny_model):
+    other = random_model(TINY.replace(vocab_size=32), seed=3)
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(tiny_model, DraftModelProposer(other), MENU)
+
+
+def test_draft_cache_stays_in_sync_across_k0_steps(tiny_model, references):
+    """Alternate k = 0 and k > 0: with the target as draft every proposal must be accepted,
+    which only holds if the draft cache saw every committed token (bonus ones included)."""
+    cfg = MENU.replace(batch_buckets=(4,), k_menu=(0, 3))
+    engine = Engine(tiny_model, DraftModelProposer(tiny_model), cfg)
+    engine.warmup(progress=False)
+    prompts, expected = references
+    slots = [0, 1, 2]
+    outputs = [[engine.prefill(s, p, SamplingParams())] for s, p in zip(slots, prompts[:3])]
+    for k in (0, 0, 3, 0, 3, 3, 0, 0, 0, 3):
+        result = engine.step(slots, k)
+        if k:
+            assert (result.accepted == k).all()
+        for row, out in enumerate(outputs):
+            out += result.row_tokens(row)
+    draft_lengths = np.asarray(engine.state.proposer.lengths)[slots]
+    np.testing.assert_array_equal(draft_lengths + 1, engine.lengths[slots])  # after an all-accepted step the draft lacks d_k
+    for out, ref in zip(outputs, expected):
+        assert out[:N_NEW] == ref
