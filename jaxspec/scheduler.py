@@ -544,7 +544,7 @@ class Scheduler:
         )
         try:
             decision = self.policy.choose(view)
-            self._check_decision(decision, view, max_len - 1 - max(lengths))
+            self._check_decision(decision, view, [max_len - 1 - n for n in lengths])
         except Exception as exc:  # noqa: BLE001
             log.exception("policy.choose failed")
             self._fail_all(rows, f"policy {self.policy.name!r} failed: {exc!r}")
@@ -568,15 +568,18 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _check_decision(decision: Decision, view: BatchView, cache_room: int) -> None:
+    def _check_decision(decision: Decision, view: BatchView, cache_room: list[int]) -> None:
+        """The decision must be in the menu and each row's effective k must fit its cache room."""
         k = decision.k
         if k not in view.k_menu:
             raise PolicyDecisionError(f"k={k} is not in the compiled menu {view.k_menu}")
-        if k > cache_room:
-            raise PolicyDecisionError(f"k={k} does not fit the cache (room for k <= {cache_room})")
         if decision.row_k is not None:
             if len(decision.row_k) != view.batch_size or any(not 0 <= r <= k for r in decision.row_k):
                 raise PolicyDecisionError(f"row_k={decision.row_k} must give each of {view.batch_size} rows 0..{k}")
+        effective = decision.row_k if decision.row_k is not None else (k,) * view.batch_size
+        for row_k, room in zip(effective, cache_room):
+            if row_k > room:
+                raise PolicyDecisionError(f"k={row_k} does not fit the cache (room for k <= {room})")
 
     def _deliver_step(self, rows: list[_Live], decision: Decision, result: StepResult) -> None:
         for i, live in enumerate(rows):
