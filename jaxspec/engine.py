@@ -286,8 +286,10 @@ class Engine:
         self.lengths[slot] = start + n
         return int(np.asarray(first)[0]) if is_last else None
 
-    def prefill(self, slot: int, prompt: list[int], params: SamplingParams, seed: int = 0) -> int:
-        """Whole-prompt prefill in chunks of the largest bucket. Returns the first token."""
+    def prefill(self, slot: int, prompt: list[int], params: SamplingParams, seed: int | None = None) -> int:
+        """Whole-prompt prefill in chunks of the largest bucket. Returns the first token.
+        The PRNG seed is `seed`, else `params.seed`, else 0."""
+        seed = seed if seed is not None else (params.seed if params.seed is not None else 0)
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) + 1 > self.config.max_len:
