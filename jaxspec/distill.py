@@ -38,9 +38,9 @@ from models.llama import Llama
 REPO = Path(__file__).resolve().parents[1]
 ARCH_DIR = REPO / "configs" / "drafts"
 SHIPPED_DIR = REPO / "drafts"
-DEFAULT_ARCH = "wide1"
+DEFAULT_ARCH = "wide2"
 FORMAT = "jaxspec-draft"
-REBUILD_COMMAND = "jaxspec distill --arch wide1  (or: PYTHONPATH=. python -m jaxspec.distill --arch wide1)"
+REBUILD_COMMAND = "jaxspec distill  (or: PYTHONPATH=. python -m jaxspec.distill)"
 
 
 # --- architecture -----------------------------------------------------------------------
@@ -338,15 +338,21 @@ def load_shipped_draft(target_config: ModelConfig, target: Llama | None = None) 
 
 @dataclasses.dataclass
 class EngineMeasure:
-    """accept_rate = Σ accepted / Σ proposed (per proposed draft token);
-    tokens_per_step = Σ emitted / Σ row-steps; tok_s = emitted decode tokens / decode wall time
-    (prefill excluded)."""
+    """Definitions (row-steps = one row in one engine step):
+    alpha       per-token acceptance = P(draft token accepted | all before it accepted), the
+                geometric-model MLE Σ accepted / (Σ accepted + #row-steps with a rejection);
+                this is the α of E(k) = (1 - α^(k+1)) / (1 - α) (DESIGN.md §7). Equals
+                accept_rate at k = 1.
+    accept_rate Σ accepted / Σ proposed (fraction of proposed draft tokens kept; falls with k).
+    tokens_per_step  Σ emitted / #row-steps.
+    tok_s       emitted decode tokens / decode wall time (prefill excluded)."""
 
     k: int
     batch: int
     temperature: float
     accepted: int = 0
     proposed: int = 0
+    rejections: int = 0
     emitted: int = 0
     row_steps: int = 0
     seconds: float = 0.0
@@ -355,6 +361,11 @@ class EngineMeasure:
     @property
     def accept_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def alpha(self) -> float:
+        tried = self.accepted + self.rejections
+        return self.accepted / tried if tried else float("nan")
 
     @property
     def tok_s(self) -> float:
@@ -386,6 +397,7 @@ def measure_engine(engine, prompts: list[list[int]], k: int, batch: int, tempera
                 toks = res.row_tokens(row)
                 m.accepted += int(res.accepted[row])
                 m.proposed += int(res.proposed[row])
+                m.rejections += int(res.accepted[row] < res.proposed[row])
                 m.row_steps += 1
                 for t in toks:  # nothing past max_tokens or an EOS
                     if len(outs[s]) >= max_tokens or outs[s][-1] in eos_ids:
@@ -434,21 +446,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="output directory (default: drafts/<target name>)")
     parser.add_argument("--work", default=None, help="work dir for shards/checkpoints (default: artifacts/distill/<arch>)")
     parser.add_argument("--data", default=None, help="shard directory to reuse (default: <work>/../data)")
-    parser.add_argument("--prompts", type=int, default=480, help="training prompts (ShareGPT + HumanEval)")
+    parser.add_argument("--prompts", type=int, default=640, help="training prompts (ShareGPT + HumanEval)")
     parser.add_argument("--code-prompts", type=int, default=32, help="of which HumanEval stubs")
     parser.add_argument("--rows", type=int, default=16, help="target generation batch")
     parser.add_argument("--prompt-len", type=int, default=112)
     parser.add_argument("--gen-len", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=32, help="target log-probs kept per position")
-    parser.add_argument("--data-minutes", type=float, default=9.0, help="budget for target generation")
-    parser.add_argument("--tf-minutes", type=float, default=4.0,
+    parser.add_argument("--data-minutes", type=float, default=10.0, help="budget for target generation")
+    parser.add_argument("--tf-minutes", type=float, default=3.0,
                         help="budget for teacher-forced target labels on ShareGPT answers (0: none)")
-    parser.add_argument("--tf-sequences", type=int, default=400)
+    parser.add_argument("--tf-sequences", type=int, default=600)
     parser.add_argument("--vocab-keep", type=int, default=None, help="override the arch's pruned vocabulary")
-    parser.add_argument("--steps", type=int, default=360)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
+    parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--ckpt-every", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")

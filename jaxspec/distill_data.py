@@ -113,7 +113,8 @@ def code_prompts(tokenizer, n: int, max_prompt_tokens: int = 112, offset: int = 
 
 class TargetGenerator:
     """Greedy continuations from the target with its top-K next-token distribution at every
-    position (prompt positions included), two compiled calls per batch (prefill, decode scan)."""
+    position (prompt positions included), in one compiled call per batch: cached greedy decoding
+    (argmax only), then one cache-free forward over prompt + continuation for the top-K labels."""
 
     def __init__(self, target: Llama, rows: int, prompt_len: int, gen_len: int, top_k: int = 32):
         self.rows, self.p, self.n, self.k = rows, prompt_len, gen_len, top_k
@@ -136,19 +137,22 @@ class TargetGenerator:
             slots = jnp.arange(r, dtype=jnp.int32)
             cache = init_cache(config, r, max_len)
             logits, cache = model.forward_cached(chain_inputs(tokens, slots, jnp.zeros((r,), jnp.int32)),
-                                                 cache, max_len)  # [R, P, V]
-            p_ids, p_lp = topk(logits)  # [R, P, K]
-            first = jnp.take_along_axis(p_ids[:, :, 0], (lens - 1)[:, None], axis=1)[:, 0]  # [R]
+                                                 cache, max_len, logits_at=(lens - 1)[:, None])  # [R, 1, V]
+            first = jnp.argmax(logits[:, 0, :], axis=-1).astype(jnp.int32)  # [R]
 
             def step(carry, i):
                 cache, token = carry
                 lg, cache = model.forward_cached(chain_inputs(token[:, None], slots, lens + i), cache, max_len)
-                ids, lp = topk(lg[:, 0, :])  # [R, K]
-                return (cache, ids[:, 0]), (token, ids, lp)
+                return (cache, jnp.argmax(lg[:, 0, :], axis=-1).astype(jnp.int32)), token
 
-            _, (gen, g_ids, g_lp) = jax.lax.scan(step, (cache, first), jnp.arange(gen_len, dtype=jnp.int32))
-            # gen: [N, R] tokens fed at positions lens+i; g_ids/g_lp: [N, R, K] predictions after them
-            return p_ids, p_lp, jnp.moveaxis(gen, 0, 1), jnp.moveaxis(g_ids, 0, 1), jnp.moveaxis(g_lp, 0, 1)
+            # greedy decoding only (cheap); the labels come from one cache-free forward below
+            _, gen = jax.lax.scan(step, (cache, first), jnp.arange(gen_len, dtype=jnp.int32))
+            gen = jnp.moveaxis(gen, 0, 1)  # [R, N] tokens at positions lens + i
+            seq = jnp.zeros((r, max_len), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
+            pos = lens[:, None] + jnp.arange(gen_len, dtype=jnp.int32)[None, :]  # [R, N]
+            seq = seq.at[slots[:, None], pos].set(gen)  # [R, P + N]
+            ids, lp = topk(model(seq))  # [R, S, K] the target's next-token top-K after every token
+            return seq, gen, ids, lp
 
         self._run = jax.jit(run)
 
@@ -163,26 +167,20 @@ class TargetGenerator:
                 raise ValueError(f"prompt of {len(ids)} tokens > prompt_len {p}")
             tokens[i, : len(ids)] = ids
             lens[i] = len(ids)
-        p_ids, p_lp, gen, g_ids, g_lp = (np.asarray(a) for a in self._run(self.params, tokens, lens))
+        seq, gen, ids, lp = (np.array(a) for a in self._run(self.params, tokens, lens))
         s = p + n
-        out_tokens = np.zeros((r, s), np.int32)
         mask = np.zeros((r, s), bool)
-        top_ids = np.zeros((r, s, k), np.int32)
-        top_lp = np.full((r, s, k), -np.inf, np.float16)
         for i in range(len(prompts)):
             L = lens[i]
-            g = gen[i]
             stop = n
-            for j, t in enumerate(g):  # keep up to and including the first EOS
+            for j, t in enumerate(gen[i]):  # keep up to and including the first EOS
                 if int(t) in eos_ids:
                     stop = j + 1
                     break
-            out_tokens[i, :L] = tokens[i, :L]
-            out_tokens[i, L:L + stop] = g[:stop]
-            top_ids[i, :L], top_lp[i, :L] = p_ids[i, :L], p_lp[i, :L]
-            top_ids[i, L:L + stop], top_lp[i, L:L + stop] = g_ids[i, :stop], g_lp[i, :stop]
+            seq[i, L + stop:] = 0
             # the prediction after the EOS is not needed (generation ends there)
             mask[i, : L + stop - (1 if stop < n else 0)] = True
+        out_tokens, top_ids, top_lp = seq, ids, np.where(mask[..., None], lp, -np.inf).astype(np.float16)
         keep = np.arange(r) < len(prompts)
         return {"tokens": out_tokens[keep], "mask": mask[keep], "top_ids": top_ids[keep], "top_lp": top_lp[keep]}
 

@@ -107,7 +107,13 @@ class Engine:
             raise ValueError(
                 f"draft vocabulary ({draft_config.vocab_size}) differs from the target's "
                 f"({target.config.vocab_size}): target and draft must share a tokenizer")
-        self._graphdef, self._params = nnx.split(target)
+        self._graphdef, params = nnx.split(target)
+        # Serving reads per-layer weight arrays (unrolled layers, no per-step slice copies); the
+        # stacked originals are replaced by empty placeholders so the weights live once.
+        self._layers = target.layer_weights()
+        for name in target.stacked_weight_names():
+            params[name] = params[name].replace(jnp.zeros((0,), params[name].value.dtype))
+        self._params = (params, self._layers)
         self._proposer_params = self.proposer.params()
         self._executables: dict[tuple, Callable] = {}
         self.lengths = np.zeros(config.num_slots, np.int64)  # host mirror of committed lengths
@@ -144,7 +150,7 @@ class Engine:
         scratch = self.scratch_slot
 
         def body(target_params, proposer_params, state: DecodeState, slot_ids, row_k):
-            target = nnx.merge(self._graphdef, target_params)
+            target, layers = nnx.merge(self._graphdef, target_params[0]), target_params[1]
             b = slot_ids.shape[0]
             start = state.cache.lengths[slot_ids]  # [B]
             pending = state.pending[slot_ids]  # [B]
@@ -159,7 +165,8 @@ class Engine:
                 pstate = proposer.sync(proposer_params, state.proposer, ctx, window)
             # tokens_in: [B, k+1] = pending then the proposals
             tokens_in = jnp.concatenate([pending[:, None], proposals.token_ids], axis=1)
-            logits, cache = target.forward_cached(chain_inputs(tokens_in, slot_ids, start), state.cache, window)
+            logits, cache = target.forward_cached(chain_inputs(tokens_in, slot_ids, start), state.cache, window,
+                                                  layers=layers)
             out, counts = verify(logits, proposals, ctx.rows)  # [B, k+1], [B]
 
             new_len = start + counts
@@ -190,13 +197,14 @@ class Engine:
         def body(target_params, proposer_params, state: DecodeState, slot, tokens, start, n_valid, is_last,
                  temperature, top_p, top_k, seed):
             # slot, start, n_valid: [1]; tokens: [1, C]; is_last: [] bool; sampling values: [1]
-            target = nnx.merge(self._graphdef, target_params)
+            target, layers = nnx.merge(self._graphdef, target_params[0]), target_params[1]
             params = SlotParams(temperature=state.params.temperature.at[slot].set(temperature),
                                 top_p=state.params.top_p.at[slot].set(top_p),
                                 top_k=state.params.top_k.at[slot].set(top_k),
                                 seed=state.params.seed.at[slot].set(seed))
             inputs = chain_inputs(tokens, slot, start)
-            logits, cache = target.forward_cached(inputs, state.cache, window, logits_at=(n_valid - 1)[:, None])
+            logits, cache = target.forward_cached(inputs, state.cache, window, logits_at=(n_valid - 1)[:, None],
+                                                  layers=layers)
             cache = cache.with_lengths(slot, start + n_valid)
             pstate = proposer.prefill(proposer_params, state.proposer, inputs, n_valid, window)
             positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
@@ -205,8 +213,7 @@ class Engine:
             n_gen = jnp.zeros((1,), jnp.int32)
             rows = RowParams(temperature=temperature, top_p=top_p, top_k=top_k,
                              keys=sampling.row_keys(seed, n_gen))
-            probs = sampling.warp(logits[:, 0, :], rows)  # [1, V]
-            first = sampling.sample(probs, sampling.subkeys(rows.keys, RESIDUAL_KEY))  # [1]
+            first = sampling.draw(logits[:, 0, :], rows, sampling.subkeys(rows.keys, RESIDUAL_KEY))[0]  # [1]
             first_pos = start + n_valid
             history = jnp.where(is_last, history.at[slot, first_pos].set(first, mode="drop"), history)
             new_state = DecodeState(

@@ -90,7 +90,8 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
         return [int(2 + (i % 7) % max(1, vocab - 2)) for i in range(ctx)]
 
     def ensure_window(rows: list[int], k: int, window: int, ctx: int) -> None:
-        if _window(c.window_buckets, int(engine.lengths[rows].max()) + k + 1) != window:
+        needed = int(engine.lengths[rows].max()) + k + 1  # growth may also overrun the largest window
+        if needed > c.max_len or _window(c.window_buckets, needed) != window:
             for s in rows:
                 engine.prefill(s, prompt(ctx), params, seed=0)
 

@@ -70,3 +70,20 @@ def row_keys(base_seeds: jax.Array, n_generated: jax.Array) -> jax.Array:
 def subkeys(keys: jax.Array, purpose: int) -> jax.Array:
     """Derive an independent key per row for one purpose (draft i, accept, resample...)."""
     return jax.vmap(lambda k: jax.random.fold_in(k, purpose))(keys)
+
+
+def draw(logits: jax.Array, params: RowParams, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row from warp(logits) -> (tokens [B], probs [B, V]).
+
+    When every row is greedy the V-sized softmax, sort and random bits are skipped (lax.cond):
+    tokens are the argmax and probs its one-hot.
+    """
+    def sampled(logits):
+        probs = warp(logits, params)
+        return sample(probs, keys), probs
+
+    def greedy(logits):
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return tokens, jax.nn.one_hot(tokens, logits.shape[-1], dtype=jnp.float32)
+
+    return jax.lax.cond(jnp.any(params.temperature > 0.0), sampled, greedy, logits)

@@ -423,6 +423,11 @@ class Scheduler:
         with self._lock:
             return len(self._live)
 
+    @property
+    def num_running(self) -> int:
+        """Slots holding a request (prefilling or decoding); a snapshot, safe from any thread."""
+        return len(self._slots)
+
     # --- validation ----------------------------------------------------------------------
 
     def _validate(self, request: Request) -> int:

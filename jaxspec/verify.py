@@ -19,18 +19,16 @@ from jaxspec.types import Proposals, RowParams
 ACCEPT_KEY, RESIDUAL_KEY = 1_000_001, 1_000_002
 
 
-def verify(target_logits: jax.Array, proposals: Proposals, params: RowParams) -> tuple[jax.Array, jax.Array]:
-    """Decide what each row emits this step.
+def _accepted_prefix(ok: jax.Array) -> jax.Array:
+    """ok [B, K] -> length of the all-True prefix per row [B]."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
 
-    target_logits: [B, K+1, V] scores for positions after [pending, d_1 .. d_K].
-    Returns (tokens [B, K+1] int32, counts [B] int32): row b emits tokens[b, :counts[b]].
-    """
+
+def _rejection_sample(target_logits: jax.Array, proposals: Proposals, params: RowParams, real: jax.Array):
+    """Rejection sampling for every row -> (n_accepted [B], next_token [B])."""
     b, k1, v = target_logits.shape
     k = k1 - 1
     drafts = proposals.token_ids  # [B, K]
-    positions = jnp.arange(k, dtype=jnp.int32)[None, :]  # [1, K]
-    real = positions < proposals.lens[:, None]  # [B, K]
-
     p = sampling.warp(target_logits, params)  # [B, K+1, V]
     # p_draft: [B, K] = p_i(d_i) for the draft at position i (scored by logits i)
     p_draft = jnp.take_along_axis(p[:, :k, :], drafts[:, :, None], axis=-1)[..., 0]
@@ -38,32 +36,48 @@ def verify(target_logits: jax.Array, proposals: Proposals, params: RowParams) ->
         q_draft = jnp.ones_like(p_draft)
     else:
         q_draft = jnp.take_along_axis(proposals.draft_probs, drafts[:, :, None], axis=-1)[..., 0]
-
-    greedy_row = params.temperature <= 0.0  # [B]
-    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
-    greedy_ok = drafts == target_argmax[:, :k]  # [B, K]
     u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(sampling.subkeys(params.keys, ACCEPT_KEY))
-    sampled_ok = u * q_draft < p_draft  # [B, K]  (u < p/q without dividing by q)
-    ok = jnp.where(greedy_row[:, None], greedy_ok, sampled_ok) & real  # [B, K]
-    n_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B]
+    n_accepted = _accepted_prefix((u * q_draft < p_draft) & real)  # u < p/q without dividing by q
 
-    # Distribution for the token after the accepted prefix: residual on a real rejection,
+    # The token after the accepted prefix: residual norm(max(0, p - q)) on a real rejection,
     # else the bonus from p.
     p_next = jnp.take_along_axis(p, n_accepted[:, None, None], axis=1)[:, 0, :]  # [B, V]
-    rejected = n_accepted < proposals.lens  # [B]
     if k > 0:
         idx = jnp.minimum(n_accepted, k - 1)
         if proposals.draft_probs is None:
-            rejected_token = jnp.take_along_axis(drafts, idx[:, None], axis=1)  # [B, 1]
-            q_next = jax.nn.one_hot(rejected_token[:, 0], v, dtype=p.dtype)  # [B, V]
+            rejected_token = jnp.take_along_axis(drafts, idx[:, None], axis=1)[:, 0]  # [B]
+            q_next = jax.nn.one_hot(rejected_token, v, dtype=p.dtype)  # [B, V] point mass
         else:
             q_next = jnp.take_along_axis(proposals.draft_probs, idx[:, None, None], axis=1)[:, 0, :]
         residual = jnp.maximum(p_next - q_next, 0.0)  # [B, V]
-        residual_mass = jnp.sum(residual, axis=-1, keepdims=True)
-        residual = jnp.where(residual_mass > 0, residual / jnp.maximum(residual_mass, 1e-30), p_next)
-        p_next = jnp.where(rejected[:, None], residual, p_next)
-    sampled_next = sampling.sample(p_next, sampling.subkeys(params.keys, RESIDUAL_KEY))  # [B]
-    greedy_next = jnp.take_along_axis(target_argmax, n_accepted[:, None], axis=1)[:, 0]  # [B]
+        mass = jnp.sum(residual, axis=-1, keepdims=True)
+        residual = jnp.where(mass > 0, residual / jnp.maximum(mass, 1e-30), p_next)
+        p_next = jnp.where((n_accepted < proposals.lens)[:, None], residual, p_next)
+    return n_accepted, sampling.sample(p_next, sampling.subkeys(params.keys, RESIDUAL_KEY))
+
+
+def verify(target_logits: jax.Array, proposals: Proposals, params: RowParams) -> tuple[jax.Array, jax.Array]:
+    """Decide what each row emits this step.
+
+    target_logits: [B, K+1, V] scores for positions after [pending, d_1 .. d_K].
+    Returns (tokens [B, K+1] int32, counts [B] int32): row b emits tokens[b, :counts[b]].
+    The V-sized sampling work runs only when some row samples (lax.cond).
+    """
+    b, k1, _ = target_logits.shape
+    k = k1 - 1
+    drafts = proposals.token_ids  # [B, K]
+    real = jnp.arange(k, dtype=jnp.int32)[None, :] < proposals.lens[:, None]  # [B, K]
+
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    greedy_accepted = _accepted_prefix((drafts == target_argmax[:, :k]) & real)  # [B]
+    greedy_next = jnp.take_along_axis(target_argmax, greedy_accepted[:, None], axis=1)[:, 0]  # [B]
+
+    greedy_row = params.temperature <= 0.0  # [B]
+    sampled_accepted, sampled_next = jax.lax.cond(
+        jnp.any(~greedy_row),
+        lambda: _rejection_sample(target_logits, proposals, params, real),
+        lambda: (greedy_accepted, greedy_next))
+    n_accepted = jnp.where(greedy_row, greedy_accepted, sampled_accepted)
     next_token = jnp.where(greedy_row, greedy_next, sampled_next)
 
     # tokens: [B, K+1] = accepted drafts, then next_token at index n_accepted, then -1

@@ -66,15 +66,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype) * weight
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """HF-style rotary embedding (rotate-half) on x [B, T, heads, H] at positions [B, T]."""
-    head_dim = x.shape[-1]
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, 1, H] for HF-style (rotate-half) rotary embedding at positions [B, T]."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))  # [H/2]
     # angles: [B, T, H/2] = positions[B,T,1] * inv_freq
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    # cos, sin: [B, T, 1, H]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    return cos, sin
+
+
+def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, T, heads, H] by the tables from `rope_tables`."""
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)  # [B, T, heads, H]
@@ -152,9 +155,12 @@ class Llama(nnx.Module):
 
     # --- pieces -------------------------------------------------------------------
 
+    def stacked_weight_names(self) -> tuple[str, ...]:
+        """Attribute names of the stacked per-layer weights."""
+        return LAYER_WEIGHTS + (LAYER_BIASES if self.config.qkv_bias else ())
+
     def _layer_params(self) -> dict[str, jax.Array]:
-        names = LAYER_WEIGHTS + (LAYER_BIASES if self.config.qkv_bias else ())
-        return {name: getattr(self, name).value for name in names}
+        return {name: getattr(self, name).value for name in self.stacked_weight_names()}
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] -> hidden [B, T, D]."""
@@ -169,30 +175,51 @@ class Llama(nnx.Module):
         # [B, T, D] x [D, V] -> [B, T, V]
         return jnp.einsum("BTD,DV->BTV", h, self.lm_head.value, preferred_element_type=jnp.float32)
 
-    def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable, carry_state):
-        """Scan the decoder layers. `attend(layer, q, k, v, state) -> (out, state)`."""
+    def layer_weights(self) -> tuple[dict[str, jax.Array], ...]:
+        """Per-layer weights as separate arrays (one dict per layer).
+
+        On CPU a scan over stacked weights copies each layer's slice before its matmuls (~3x
+        the weight traffic of a decode step); serving passes these to `forward_cached(layers=)`
+        so every matmul reads its weights in place. Call outside jit: it materialises copies.
+        """
+        stacked = self._layer_params()
+        return tuple({name: jnp.array(w[i]) for name, w in stacked.items()} for i in range(self.config.num_layers))
+
+    def _decoder_layer(self, p: dict, x: jax.Array, rope_cs, attend: Callable, index, state):
+        """One pre-norm block: x [B, T, D] -> x [B, T, D]."""
         c = self.config
+        h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)  # [B, T, D]
+        q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])  # [B, T, N, H]
+        k = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])  # [B, T, K, H]
+        v = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])  # [B, T, K, H]
+        if c.qkv_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q, k = rope(q, *rope_cs), rope(k, *rope_cs)
+        out, state = attend(index, q, k, v, state)  # out: [B, T, N, H]
+        x = x + jnp.einsum("BTNH,NHD->BTD", out, p["wo"])  # [B, T, D]
+        h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+        gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"])  # [B, T, F]
+        up = jnp.einsum("BTD,DF->BTF", h, p["w_up"])  # [B, T, F]
+        x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, p["w_down"])  # [B, T, D]
+        return x, state
+
+    def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable, carry_state, layers=None):
+        """All decoder layers. `attend(layer, q, k, v, state) -> (out, state)`.
+
+        With `layers` (from `layer_weights`) the loop is unrolled over separate arrays (fast
+        serving path); without, a `lax.scan` over the stacked weights (fast to compile; training).
+        """
+        rope_cs = rope_tables(positions, self.config.head_dim, self.config.rope_theta)  # once, not per layer
+        if layers is not None:
+            for index, p in enumerate(layers):
+                x, carry_state = self._decoder_layer(p, x, rope_cs, attend, index, carry_state)
+            return x, carry_state
 
         def layer(carry, xs):
-            x, state = carry
             p, index = xs
-            h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)  # [B, T, D]
-            q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])  # [B, T, N, H]
-            k = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])  # [B, T, K, H]
-            v = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])  # [B, T, K, H]
-            if c.qkv_bias:
-                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-            q = rope(q, positions, c.rope_theta)
-            k = rope(k, positions, c.rope_theta)
-            out, state = attend(index, q, k, v, state)  # out: [B, T, N, H]
-            x = x + jnp.einsum("BTNH,NHD->BTD", out, p["wo"])  # [B, T, D]
-            h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-            gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"])  # [B, T, F]
-            up = jnp.einsum("BTD,DF->BTF", h, p["w_up"])  # [B, T, F]
-            x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, p["w_down"])  # [B, T, D]
-            return (x, state), None
+            return self._decoder_layer(p, carry[0], rope_cs, attend, index, carry[1]), None
 
-        xs = (self._layer_params(), jnp.arange(c.num_layers, dtype=jnp.int32))
+        xs = (self._layer_params(), jnp.arange(self.config.num_layers, dtype=jnp.int32))
         (x, carry_state), _ = jax.lax.scan(layer, (x, carry_state), xs)
         return x, carry_state
 
@@ -215,12 +242,14 @@ class Llama(nnx.Module):
         return x
 
     def forward_cached(self, inputs: StepInputs, cache: KVCache, window: int,
-                       logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                       logits_at: jax.Array | None = None,
+                       layers: tuple[dict, ...] | None = None) -> tuple[jax.Array, KVCache]:
         """Write T new tokens per row into the cache and return their logits.
 
         Writes positions start..start+T-1 of each row's slot (lengths are NOT changed: the
         caller commits), attends over cache positions [0, window) masked by `window_mask`.
-        `logits_at` [B, J] optionally selects which of the T positions to unembed.
+        `logits_at` [B, J] optionally selects which of the T positions to unembed; `layers`
+        optionally supplies per-layer weights (see `layer_weights`).
         Returns logits [B, T or J, V] (fp32) and the updated cache.
         """
         if window > cache.max_len:
@@ -242,7 +271,7 @@ class Llama(nnx.Module):
             return attention(q, kw, vw, mask), (ck, cv)
 
         x, (ck, cv) = self._run_layers(self.embed_tokens(inputs.tokens), positions, attend,
-                                       (cache.k, cache.v))
+                                       (cache.k, cache.v), layers)
         if logits_at is not None:
             # x: [B, T, D] -> [B, J, D]
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)

@@ -72,9 +72,8 @@ class DraftModelProposer(Proposer):
         logits, state = self._catch_up(draft, state, ctx, window)  # logits: [B, V]
 
         def draw(logits, i):
-            q = sampling.warp(logits, ctx.rows)  # [B, V]
-            token = sampling.sample(q, sampling.subkeys(ctx.rows.keys, i))  # [B]
-            return token, q
+            # token: [B] drawn from q = warp(logits) [B, V]
+            return sampling.draw(logits, ctx.rows, sampling.subkeys(ctx.rows.keys, i))
 
         first, q_first = draw(logits, 0)
 
