@@ -38,11 +38,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty")
     params = sampling_params(args)
     start = time.perf_counter()
-    runtime = build_runtime(args, progress=True)
-    tokenizer = runtime.tokenizer
-    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    prompt_ids = tokenizer.encode(text)
-    scheduler = Scheduler(runtime.engine, runtime.policy, tokenizer)
+    prompt_ids: list[int] = []
+
+    def tokenize_and_check(tokenizer, config) -> None:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        prompt_ids.extend(tokenizer.encode(text))
+        if len(prompt_ids) + 1 > config.max_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {config.max_len} "
+                             f"(prompt + at least one generated token)")
+
+    runtime = build_runtime(args, progress=True, before_warmup=tokenize_and_check)
+    scheduler = Scheduler(runtime.engine, runtime.policy, runtime.tokenizer)
     ready = time.perf_counter()
     try:
         handle = scheduler.submit(Request("generate", prompt_ids, params))

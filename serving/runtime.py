@@ -54,6 +54,8 @@ def _menu_for(spec: str, config: EngineConfig) -> EngineConfig:
     if name == "none":
         return config.replace(k_menu=(0,))
     if name == "fixed":
+        if not arg.isdigit():
+            raise ValueError(f"bad policy {spec!r}: expected fixed:K with an integer K >= 0, e.g. fixed:4")
         k = int(arg)
         if k not in config.k_menu:
             raise ValueError(f"fixed:{k} is not in the menu's k values {config.k_menu}")
@@ -84,8 +86,12 @@ def build_policy(spec: str, max_len: int, engine: Engine | None = None, progress
     return make_policy(spec, cost_model=cost, max_len=max_len)
 
 
-def build_runtime(args: argparse.Namespace, progress: bool = True, **menu_overrides) -> Runtime:
-    """Load the model, build proposer + menu, compile the menu ahead of time, build the policy."""
+def build_runtime(args: argparse.Namespace, progress: bool = True, before_warmup=None, **menu_overrides) -> Runtime:
+    """Load the model, build proposer + menu, compile the menu ahead of time, build the policy.
+
+    `before_warmup(tokenizer, engine_config)` may validate user input (e.g. prompt length)
+    before the minutes of compilation start.
+    """
     enable_compilation_cache()
     compile_counter.install()
     spec = policy_spec(args)
@@ -97,6 +103,8 @@ def build_runtime(args: argparse.Namespace, progress: bool = True, **menu_overri
     if built.tokenizer is None:
         raise ValueError(f"model {built.name!r} has no tokenizer (a weightless preset); "
                          f"text commands need a real model")
+    if before_warmup is not None:
+        before_warmup(built.tokenizer, config)
     proposer = build_proposer(args.proposer, built.model, args.draft)
     engine = Engine(built.model, proposer, config)
     engine.warmup(progress=progress)
