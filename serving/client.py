@@ -1,0 +1,155 @@
+"""`jaxspec client "PROMPT"`: stream a generation from a running `jaxspec serve` to stdout.
+
+Library use::
+
+    with GenerationClient("127.0.0.1:50051") as client:
+        for message in client.generate("Hello", max_tokens=32):
+            print(message.text, end="")
+
+Errors arrive as grpc.RpcError (code() and details() say what went wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving.proto.jaxspec.v1 import generation_pb2 as pb
+from serving.proto.jaxspec.v1 import generation_pb2_grpc as pb_grpc
+
+FINISH_NAMES = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop"}
+
+
+class GenerationClient:
+    """A channel to one server. tls_ca: PEM bytes or a file path (TLS on); auth_token: bearer token."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, auth_token: str | None = None,
+                 tls_ca: bytes | str | Path | None = None, tls_server_name: str | None = None,
+                 max_message_bytes: int = 1 << 20):
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if tls_server_name is not None:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if tls_ca is not None:
+            ca = tls_ca if isinstance(tls_ca, bytes) else Path(tls_ca).read_bytes()
+            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca), options)
+        else:
+            self.channel = grpc.insecure_channel(target, options)
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def __enter__(self) -> "GenerationClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    @staticmethod
+    def request(prompt: str | None = None, *, messages: Sequence[tuple[str, str]] | None = None,
+                max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+                top_k: int | None = None, seed: int | None = None, stop: Sequence[str] = (),
+                ignore_eos: bool = False, model: str = "") -> pb.GenerateRequest:
+        """A GenerateRequest; unset (None) values are left unset for the server's defaults."""
+        req = pb.GenerateRequest(prompt=prompt or "", model=model, stop=list(stop), ignore_eos=ignore_eos,
+                                 messages=[pb.ChatMessage(role=r, content=c) for r, c in messages or ()])
+        for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                            ("top_k", top_k), ("seed", seed)):
+            if value is not None:
+                setattr(req, name, value)
+        return req
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **params) -> Iterator[pb.GenerateResponse]:
+        """Stream the responses of one request (see `request` for the parameters). The returned
+        iterator is also a grpc.Call: `.cancel()` stops the request."""
+        return self.stub.Generate(self.request(prompt, **params), timeout=timeout, metadata=self._metadata)
+
+    def list_models(self, timeout: float | None = 10.0) -> list[pb.ModelInfo]:
+        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout, metadata=self._metadata).models)
+
+    def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        """'SERVING', 'NOT_SERVING', ... for `service` ('' = the whole server)."""
+        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+# --- `jaxspec client` ------------------------------------------------------------------------
+
+
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt (with --chat: the user message)")
+    parser.add_argument("--host", default="127.0.0.1", help="server address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50051, help="server port (default 50051)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens at most (default: the server's)")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    parser.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a chat user message")
+    parser.add_argument("--system", default=None, help="with --chat: a system message first")
+    parser.add_argument("--model", default="", help="model name (default: the server's)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--auth-token", default=None, help="bearer token, if the server requires one")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA certificate: connect with TLS")
+    parser.add_argument("--tls-server-name", default=None, help="expected name in the server certificate")
+    parser.add_argument("--stats", action="store_true", help="print the request's statistics to stderr")
+
+
+def run_client(args: argparse.Namespace, out=None, err=None) -> int:
+    """Stream the text to `out` (stdout). Returns 0, or 1 with the gRPC status on `err` (stderr)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if args.chat:
+        messages = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
+        prompt = None
+    else:
+        if args.system:
+            print("jaxspec client: --system needs --chat", file=err)
+            return 2
+        messages, prompt = None, args.prompt
+    try:
+        with GenerationClient(f"{args.host}:{args.port}", auth_token=args.auth_token, tls_ca=args.tls_ca,
+                              tls_server_name=args.tls_server_name) as client:
+            last = None
+            for message in client.generate(prompt, messages=messages, max_tokens=args.max_tokens,
+                                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                           seed=args.seed, stop=args.stop, model=args.model, timeout=args.timeout):
+                out.write(message.text)
+                out.flush()
+                last = message
+            out.write("\n")
+            out.flush()
+    except grpc.RpcError as exc:
+        print(f"\njaxspec client: {exc.code().name}: {exc.details()}", file=err)
+        return 1
+    except OSError as exc:  # e.g. an unreadable --tls-ca file
+        print(f"jaxspec client: {exc}", file=err)
+        return 2
+    if args.stats and last is not None:
+        s = last.stats
+        ttft = f"{s.time_to_first_token_s:.3f}s" if s.HasField("time_to_first_token_s") else "-"
+        acc = f"{s.acceptance:.2f}" if s.HasField("acceptance") else "-"
+        print(f"[{FINISH_NAMES.get(last.finish_reason, '?')}] prompt {s.prompt_tokens} tokens, "
+              f"completion {s.completion_tokens} tokens, ttft {ttft}, acceptance {acc}, total {s.total_s:.3f}s",
+              file=err)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m serving.client ...` (the same flags as `jaxspec client`)."""
+    parser = argparse.ArgumentParser(prog="jaxspec client", description="Stream a generation from jaxspec serve.")
+    add_client_arguments(parser)
+    return run_client(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

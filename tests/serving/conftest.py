@@ -1,0 +1,117 @@
+"""Shared pieces of the serving tests: tiny engines, a step gate, servers on ephemeral ports."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from jaxspec.engine import Engine, EngineConfig
+from jaxspec.policy.acceptance import AcceptanceTracker
+from jaxspec.policy.cost_model import CostModel, OnlineCostConfig
+from jaxspec.policy.goodput import GoodputPolicy
+from serving.client import GenerationClient
+from serving.grpc_server import GenerationServer, ServeConfig
+from tests.policy.sim import linear_cost
+
+HOST = "127.0.0.1"
+
+
+def tiny_engine(model, proposer=None, *, slots: int = 8, k_menu=(0,), max_len: int = 128) -> Engine:
+    """One batch bucket (= slots), one window, one prefill chunk: few shapes to compile."""
+    config = EngineConfig(num_slots=slots, max_len=max_len, batch_buckets=(slots,), k_menu=k_menu,
+                          window_buckets=(max_len,), prefill_buckets=(32,))
+    engine = Engine(model, proposer, config)
+    engine.warmup(progress=False)
+    return engine
+
+
+def synthetic_goodput(engine: Engine) -> GoodputPolicy:
+    """SmartSpec over synthetic step costs (no online correction): speculates, deterministically."""
+    c = engine.config
+    cost = CostModel.from_function(linear_cost(), c.batch_buckets, c.k_menu, c.window_buckets,
+                                   online=OnlineCostConfig(ema_weight=0.0))
+    return GoodputPolicy(cost, AcceptanceTracker())
+
+
+class StepGate:
+    """Holds the engine thread at the start of `engine.step` while closed (tests of timing-dependent paths)."""
+
+    def __init__(self, engine: Engine):
+        self._open = threading.Event()
+        self._open.set()
+        self.blocked = threading.Event()  # the engine thread is waiting at the gate
+        step = engine.step
+
+        def gated(*args, **kwargs):
+            if not self._open.is_set():
+                self.blocked.set()
+                self._open.wait()
+                self.blocked.clear()
+            return step(*args, **kwargs)
+
+        engine.step = gated
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def start_server(engine, tokenizer, policy, **config) -> GenerationServer:
+    return GenerationServer(engine, tokenizer, policy, ServeConfig(host=HOST, port=0, **config)).start()
+
+
+def client_for(server: GenerationServer, **kwargs) -> GenerationClient:
+    return GenerationClient(f"{HOST}:{server.port}", **kwargs)
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """(cert.pem, key.pem) for 127.0.0.1 / localhost, with `cryptography` or the openssl CLI; skips without both."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("needs the `cryptography` package or the `openssl` CLI to make a test certificate")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                        "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                       check=True, capture_output=True, timeout=60)
+        return cert, key
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                               x509.DNSName("localhost")]), critical=False)
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                   .sign(private, hashes.SHA256()))
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    return cert, key

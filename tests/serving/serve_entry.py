@@ -1,0 +1,30 @@
+"""Test-only: `python -m tests.serving.serve_entry [jaxspec serve flags]`.
+
+Exactly `jaxspec serve` (serving.cli), except that every engine step first sleeps
+$JAXSPEC_TEST_STEP_DELAY seconds, so a test can signal the server while streams are in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from jaxspec.engine import Engine  # noqa: E402
+from serving import cli  # noqa: E402
+
+DELAY = float(os.environ["JAXSPEC_TEST_STEP_DELAY"])
+_step = Engine.step
+
+
+def _slow_step(self, *args, **kwargs):
+    time.sleep(DELAY)
+    return _step(self, *args, **kwargs)
+
+
+Engine.step = _slow_step
+
+if __name__ == "__main__":
+    sys.exit(cli.main(["serve", *sys.argv[1:]]))

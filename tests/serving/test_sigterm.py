@@ -1,0 +1,81 @@
+"""SIGTERM drains a real `jaxspec serve` process (--model tiny --tokenizer ascii): health goes
+NOT_SERVING, new calls are refused, in-flight streams finish, the process exits 0."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+
+from serving.client import GenerationClient
+from serving.proto.jaxspec.v1 import generation_pb2 as pb
+from tests.serving.conftest import HOST, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP_DELAY = 0.05
+TOKENS = 40  # in flight for >= TOKENS * STEP_DELAY = 2 s after the signal
+
+
+def start_process(*flags: str) -> tuple[subprocess.Popen, list[str]]:
+    env = dict(os.environ, JAXSPEC_TEST_STEP_DELAY=str(STEP_DELAY), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.serving.serve_entry", *flags], cwd=ROOT, env=env,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+
+    def pump():  # keep the pipe drained, remember everything for assertion messages
+        for line in proc.stderr:
+            lines.append(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, lines
+
+
+def test_sigterm_drains_in_flight_streams_and_exits_0():
+    proc, lines = start_process("--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--proposer", "none",
+                                "--policy", "none", "--host", HOST, "--port", "0")
+    try:
+        wait_until(lambda: any("jaxspec serve: tiny on" in l for l in lines) or proc.poll() is not None,
+                   timeout=120, what="the server to start")
+        assert proc.poll() is None, "".join(lines)
+        port = int(re.search(r"jaxspec serve: tiny on [\d.]+:(\d+)", "".join(lines)).group(1))
+        client = GenerationClient(f"{HOST}:{port}")
+        assert client.health() == "SERVING"
+        calls = [client.generate("drain me", max_tokens=TOKENS, ignore_eos=True, timeout=60) for _ in range(3)]
+        firsts = [next(call) for call in calls]
+        assert all(m.token_ids for m in firsts)
+
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: client.health() == "NOT_SERVING", timeout=5, what="health NOT_SERVING")
+        try:
+            list(client.generate("too late", max_tokens=2))
+            raise AssertionError("a call after SIGTERM was accepted")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        for first, call in zip(firsts, calls):  # the in-flight streams run to the end
+            messages = [first, *call]
+            assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert sum(len(m.token_ids) for m in messages) == TOKENS
+        client.close()
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+        assert any("jaxspec serve: stopped (drained)" in l for l in lines), "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_preset_without_tokenizer_is_a_clear_error(capsys):
+    from serving.grpc_server import add_serve_arguments, run_serve
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert run_serve(parser.parse_args(["--model", "tiny", "--menu", "tiny", "--port", "0"])) == 2
+    err = capsys.readouterr().err
+    assert "model 'tiny' has no tokenizer" in err and "--tokenizer ascii" in err
