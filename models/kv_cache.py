@@ -1,8 +1,8 @@
 """Per-slot KV cache (DESIGN.md §5).
 
-Layout (one array for keys, one for values)::
+Layout (one array per layer for keys, one for values)::
 
-    k[L, S+1, M, Hkv, Dh]      L layers, S serving slots + 1 scratch slot, M = max_len positions
+    k[l]: [S+1, M, Hkv, Dh]    for each of the L layers: S serving slots + 1 scratch slot, M = max_len
                                  ┌──────────── M positions ────────────┐
     slot 0   │ t0 t1 t2 t3 ... t(len0-1) │ stale / empty ............ │
     slot 1   │ t0 t1 ... t(len1-1)      │ stale ..................... │
@@ -14,6 +14,10 @@ Layout (one array for keys, one for values)::
 A forward of T tokens for row b writes positions [start_b, start_b + T) of its slot; accepting
 only some of them is just setting `lengths[slot]` (no copy). Attention reads a static window
 `[0, W)` of each row's slot and masks by length and the intra-step mask, never by "non-zero".
+
+Why one buffer per layer: each layer writes its new k/v and then reads its window from the
+same buffer, so XLA updates every buffer in place. With one stacked [L, ...] buffer XLA had to
+copy the whole cache (every layer's reads and writes alias one array): measured 15x slower.
 """
 
 from __future__ import annotations
@@ -31,22 +35,22 @@ from models.config import ModelConfig
 class KVCache:
     """Keys/values for every slot, plus each slot's committed length."""
 
-    k: jax.Array  # [L, S+1, M, Hkv, Dh]
-    v: jax.Array  # [L, S+1, M, Hkv, Dh]
+    k: tuple[jax.Array, ...]  # L x [S+1, M, Hkv, Dh]
+    v: tuple[jax.Array, ...]  # L x [S+1, M, Hkv, Dh]
     lengths: jax.Array  # [S+1] int32
 
     @property
     def num_slots(self) -> int:
         """Serving slots (excludes the scratch slot)."""
-        return self.k.shape[1] - 1
+        return self.k[0].shape[0] - 1
 
     @property
     def scratch_slot(self) -> int:
-        return self.k.shape[1] - 1
+        return self.k[0].shape[0] - 1
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     def with_lengths(self, slot_ids: jax.Array, new_lengths: jax.Array) -> "KVCache":
         """Set `lengths[slot_ids] = new_lengths` (commit or roll back; no KV copy)."""
@@ -57,10 +61,10 @@ class KVCache:
 def init_cache(config: ModelConfig, num_slots: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache with `num_slots` slots (+1 scratch) of `max_len` positions each."""
     dtype = jnp.dtype(dtype or config.dtype)
-    shape = (config.num_layers, num_slots + 1, max_len, config.num_kv_heads, config.head_dim)
+    shape = (num_slots + 1, max_len, config.num_kv_heads, config.head_dim)
     return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
         lengths=jnp.zeros((num_slots + 1,), jnp.int32),
     )
 

@@ -106,7 +106,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 def window_mask(inputs: StepInputs, window: int) -> jax.Array:
     """Mask [B, T, W] over cache positions 0..W-1 of each row's slot.
 
-    For row b with start s and T new tokens at cache positions s..s+T-1::
+    For row b with start s and T new tokens written at cache positions s..s+T-1::
 
         key position j:   0 ........ s-1 | s ...... s+T-1 | s+T ... W-1
         query t sees:     all (history)  | step_mask[t,:] | nothing (stale)
@@ -180,26 +180,54 @@ class Llama(nnx.Module):
 
         On CPU a scan over stacked weights copies each layer's slice before its matmuls (~3x
         the weight traffic of a decode step); serving passes these to `forward_cached(layers=)`
-        so every matmul reads its weights in place. Call outside jit: it materialises copies.
+        so every matmul reads its weights in place. Q/K/V and gate/up are concatenated into one
+        matrix each (fewer kernels per layer). Call outside jit: it materialises copies.
         """
+        c = self.config
         stacked = self._layer_params()
-        return tuple({name: jnp.array(w[i]) for name, w in stacked.items()} for i in range(self.config.num_layers))
+
+        def one(i: int) -> dict[str, jax.Array]:
+            w = {name: stacked[name][i] for name in stacked}
+            # fused projections: fewer, larger matmuls per layer (the CPU pays per kernel)
+            qkv = [w["wq"].reshape(c.hidden_size, -1), w["wk"].reshape(c.hidden_size, -1),
+                   w["wv"].reshape(c.hidden_size, -1)]
+            fused = {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"], "wo": w["wo"], "w_down": w["w_down"],
+                     "wqkv": jnp.concatenate(qkv, axis=1),  # [D, (N + 2K) H]
+                     "w_gate_up": jnp.concatenate([w["w_gate"], w["w_up"]], axis=1)}  # [D, 2F]
+            if c.qkv_bias:
+                fused["bqkv"] = jnp.concatenate([w["bq"].reshape(-1), w["bk"].reshape(-1), w["bv"].reshape(-1)])
+            return {name: jnp.array(value) for name, value in fused.items()}
+
+        return tuple(one(i) for i in range(c.num_layers))
 
     def _decoder_layer(self, p: dict, x: jax.Array, rope_cs, attend: Callable, index, state):
         """One pre-norm block: x [B, T, D] -> x [B, T, D]."""
         c = self.config
         h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)  # [B, T, D]
-        q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])  # [B, T, N, H]
-        k = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])  # [B, T, K, H]
-        v = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])  # [B, T, K, H]
-        if c.qkv_bias:
-            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        if "wqkv" in p:  # fused serving layout (see layer_weights)
+            b, t, _ = h.shape
+            qkv = jnp.einsum("BTD,DE->BTE", h, p["wqkv"])  # [B, T, (N + 2K) H]
+            if c.qkv_bias:
+                qkv = qkv + p["bqkv"]
+            nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            q = qkv[..., :nq].reshape(b, t, c.num_heads, c.head_dim)  # [B, T, N, H]
+            k = qkv[..., nq:nq + nk].reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, H]
+            v = qkv[..., nq + nk:].reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, H]
+        else:
+            q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])  # [B, T, N, H]
+            k = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])  # [B, T, K, H]
+            v = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])  # [B, T, K, H]
+            if c.qkv_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         q, k = rope(q, *rope_cs), rope(k, *rope_cs)
         out, state = attend(index, q, k, v, state)  # out: [B, T, N, H]
         x = x + jnp.einsum("BTNH,NHD->BTD", out, p["wo"])  # [B, T, D]
         h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-        gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"])  # [B, T, F]
-        up = jnp.einsum("BTD,DF->BTF", h, p["w_up"])  # [B, T, F]
+        if "w_gate_up" in p:
+            gate, up = jnp.split(jnp.einsum("BTD,DG->BTG", h, p["w_gate_up"]), 2, axis=-1)  # 2 x [B, T, F]
+        else:
+            gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"])  # [B, T, F]
+            up = jnp.einsum("BTD,DF->BTF", h, p["w_up"])  # [B, T, F]
         x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, p["w_down"])  # [B, T, D]
         return x, state
 
@@ -248,6 +276,7 @@ class Llama(nnx.Module):
 
         Writes positions start..start+T-1 of each row's slot (lengths are NOT changed: the
         caller commits), attends over cache positions [0, window) masked by `window_mask`.
+        The layers are unrolled (one in-place cache buffer per layer).
         `logits_at` [B, J] optionally selects which of the T positions to unembed; `layers`
         optionally supplies per-layer weights (see `layer_weights`).
         Returns logits [B, T or J, V] (fp32) and the updated cache.
@@ -256,26 +285,30 @@ class Llama(nnx.Module):
             raise ValueError(f"attention window {window} exceeds cache max_len {cache.max_len}")
         b, t = inputs.tokens.shape
         positions = inputs.start[:, None] + inputs.depth  # [B, T] RoPE positions
-        write_pos = inputs.start[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] cache slots
+        write_pos = inputs.start[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] cache positions
         mask = window_mask(inputs, window)  # [B, T, W]
         slots = inputs.slot_ids[:, None]  # [B, 1]
+        if layers is None:  # static per-layer views of the stacked weights (drafts, tests)
+            stacked = self._layer_params()
+            layers = tuple({name: w[i] for name, w in stacked.items()} for i in range(self.config.num_layers))
 
         def attend(index, q, k, v, kv):
-            ck, cv = kv
-            # scatter new k/v: ck[index, slot_b, write_pos[b,t]] = k[b,t]   ([B, T, K, H] updates)
-            ck = ck.at[index, slots, write_pos].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[index, slots, write_pos].set(v.astype(cv.dtype), mode="drop")
-            # gather the attended window: [B, W, K, H]
-            kw = ck[index, inputs.slot_ids, :window]
-            vw = cv[index, inputs.slot_ids, :window]
-            return attention(q, kw, vw, mask), (ck, cv)
+            ks, vs = kv
+            # write this layer's new k/v, then read the window from the same (in-place) buffer
+            # ck[slot_b, write_pos[b, t]] = k[b, t]: [B, T, K, H] updates into [S+1, M, K, H]
+            ck = ks[index].at[slots, write_pos].set(k.astype(ks[index].dtype), mode="drop")
+            cv = vs[index].at[slots, write_pos].set(v.astype(vs[index].dtype), mode="drop")
+            kw, vw = ck[inputs.slot_ids, :window], cv[inputs.slot_ids, :window]  # [B, W, K, H]
+            ks = ks[:index] + (ck,) + ks[index + 1:]
+            vs = vs[:index] + (cv,) + vs[index + 1:]
+            return attention(q, kw, vw, mask), (ks, vs)
 
-        x, (ck, cv) = self._run_layers(self.embed_tokens(inputs.tokens), positions, attend,
-                                       (cache.k, cache.v), layers)
+        x, (ks, vs) = self._run_layers(self.embed_tokens(inputs.tokens), positions, attend, (cache.k, cache.v),
+                                       layers)
         if logits_at is not None:
             # x: [B, T, D] -> [B, J, D]
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
-        return self.unembed(x), dataclasses.replace(cache, k=ck, v=cv)
+        return self.unembed(x), dataclasses.replace(cache, k=ks, v=vs)
 
 
 # --- conversion from / to Hugging Face layout ------------------------------------------
