@@ -32,12 +32,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_menu: str =
     parser.add_argument("--draft", default=None,
                         help="draft model for --proposer draft: 'default' (shipped distilled draft), 'self', "
                              "'truncated:N' (first N target layers) or a model spec (default: 'default')")
+    parser.add_argument("--ngram", default="1,3", type=_ngram_range, metavar="MIN,MAX",
+                        help="n-gram sizes tried by --proposer ngram, longest first (default: 1,3)")
     parser.add_argument("--policy", default=None,
                         help="speculation policy: none | fixed:K | table[:B=K,...] | heuristic | goodput | "
                              "goodput-per-request (default: goodput with a proposer, else none)")
     parser.add_argument("--menu", default=default_menu,
                         help=f"engine shape menu: a name in configs/engine.yaml or a YAML file "
                              f"(default: {default_menu})")
+
+
+def _ngram_range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (e.g. 1,3), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return low, high
 
 
 def policy_spec(args: argparse.Namespace) -> str:
@@ -105,7 +117,7 @@ def build_runtime(args: argparse.Namespace, progress: bool = True, before_warmup
                          f"text commands need a real model")
     if before_warmup is not None:
         before_warmup(built.tokenizer, config)
-    proposer = build_proposer(args.proposer, built.model, args.draft)
+    proposer = build_proposer(args.proposer, built.model, args.draft, ngram=getattr(args, "ngram", (1, 3)))
     engine = Engine(built.model, proposer, config)
     engine.warmup(progress=progress)
     policy = early_policy or build_policy(spec, max_len=config.max_len, engine=engine, progress=progress)
