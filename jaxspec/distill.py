@@ -345,7 +345,9 @@ class EngineMeasure:
                 accept_rate at k = 1.
     accept_rate Σ accepted / Σ proposed (fraction of proposed draft tokens kept; falls with k).
     tokens_per_step  Σ emitted / #row-steps.
-    tok_s       emitted decode tokens / decode wall time (prefill excluded)."""
+    tok_s       emitted decode tokens / decode wall time (prefill excluded).
+    cpu_tok_s   emitted decode tokens / this process's CPU time over the same span (all threads):
+                on a shared machine the fairer throughput when other jobs steal cores."""
 
     k: int
     batch: int
@@ -356,6 +358,7 @@ class EngineMeasure:
     emitted: int = 0
     row_steps: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     outputs: list = dataclasses.field(default_factory=list)
 
     @property
@@ -370,6 +373,16 @@ class EngineMeasure:
     @property
     def tok_s(self) -> float:
         return self.emitted / self.seconds if self.seconds else float("nan")
+
+    @property
+    def cpu_tok_s(self) -> float:
+        return self.emitted / self.cpu_seconds if self.cpu_seconds else float("nan")
+
+    def merge(self, other: "EngineMeasure") -> "EngineMeasure":
+        for f in ("accepted", "proposed", "rejections", "emitted", "row_steps", "seconds", "cpu_seconds"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.outputs += other.outputs
+        return self
 
     @property
     def tokens_per_step(self) -> float:
@@ -390,7 +403,7 @@ def measure_engine(engine, prompts: list[list[int]], k: int, batch: int, tempera
             sp = SamplingParams(temperature=temperature, max_tokens=max_tokens)
             outs[s] = [engine.prefill(s, p, sp, seed=seed + g + s)]
         live = [s for s in slots if outs[s][-1] not in eos_ids]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         while live:
             res = engine.step(live, k)
             for row, s in enumerate(live):
@@ -406,6 +419,7 @@ def measure_engine(engine, prompts: list[list[int]], k: int, batch: int, tempera
                     m.emitted += 1
             live = [s for s in live if len(outs[s]) < max_tokens and outs[s][-1] not in eos_ids]
         m.seconds += time.perf_counter() - t0
+        m.cpu_seconds += time.process_time() - c0
         for s in slots:
             engine.free(s)
             m.outputs.append(outs[s])
@@ -457,7 +471,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="budget for teacher-forced target labels on ShareGPT answers (0: none)")
     parser.add_argument("--tf-sequences", type=int, default=600)
     parser.add_argument("--vocab-keep", type=int, default=None, help="override the arch's pruned vocabulary")
-    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--steps", type=int, default=450)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--warmup", type=int, default=30)
