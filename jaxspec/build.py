@@ -57,7 +57,7 @@ def build_draft(spec: str, target: Llama) -> Llama:
         return truncated_copy(target, int(spec.split(":", 1)[1]))
     if spec == "default":
         from jaxspec.distill import load_shipped_draft  # imported lazily: optional artefact
-        return load_shipped_draft(target.config)
+        return load_shipped_draft(target.config, target)
     return build_model(spec).model
 
 
@@ -84,6 +84,12 @@ def load_engine_config(name_or_path: str | None = None, **overrides) -> EngineCo
         if name_or_path not in menus:
             raise KeyError(f"unknown engine menu {name_or_path!r}; known: {', '.join(menus)}")
         values = menus[name_or_path]
+    if not isinstance(values, dict):
+        raise ValueError(f"engine config {name_or_path}: expected a mapping of EngineConfig fields")
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"engine config {name_or_path}: unknown keys {unknown}; known: {sorted(known)}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return EngineConfig(**values)
