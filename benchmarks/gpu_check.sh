@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU check: the test suite and the quick benchmark with JAX on a GPU, results into a folder.
+#
+#   benchmarks/gpu_check.sh "$OUT"          (≤ 8 minutes on one GPU; no checkpoint files needed)
+#
+# Needs a CUDA build of JAX in the environment (pip install -U "jax[cuda12]"); set PYTHON to
+# choose the interpreter (default: python). Random weights of the real configs (SmolLM2-135M,
+# Qwen2.5-1.5B, a 7B-shaped Llama if memory allows) in bf16, a NoisyProposer of acceptance ALPHA
+# over a truncated self-draft (benchmarks/gpu_bench.py). Every stage has its own time limit and
+# writes its log into $OUT, so a failing stage leaves the others' results.
+set -u
+OUT="${1:-${OUT:-}}"
+if [ -z "$OUT" ]; then echo "usage: $0 OUT_DIR (or set \$OUT)" >&2; exit 2; fi
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"          # fail loudly instead of silently running on CPU
+export XLA_PYTHON_CLIENT_PREALLOCATE=false             # allocate as needed: the 7B config may not fit
+export JAXSPEC_COMPILATION_CACHE="$OUT/xla-cache"
+export JAXSPEC_PROFILE_DIR="$OUT/profiles"
+ALPHA="${ALPHA:-0.8}"
+DRAFT="${DRAFT:-truncated:2}"   # self: acceptance exactly ALPHA but a full-cost draft; truncated:N: cheap, acceptance ≤ ALPHA (random weights disagree)
+status=0
+
+"$PY" - > "$OUT/device.txt" 2>&1 <<'PYEOF' || { echo "no GPU visible to JAX: see $OUT/device.txt" >&2; exit 3; }
+import jax
+devices = jax.devices()
+print(jax.__version__, devices, devices[0].device_kind)
+assert devices[0].platform == "gpu", f"expected a GPU, got {devices[0].platform}"
+PYEOF
+cat "$OUT/device.txt"
+
+# 1) the test suite (tiny models; fp32 parity tests keep their own dtype), ≤ 150 s
+timeout 150 "$PY" -m pytest -q -x -m "not slow" --junitxml="$OUT/pytest.xml" tests > "$OUT/pytest.log" 2>&1
+rc=$?; echo "pytest rc=$rc (log: $OUT/pytest.log)"; [ $rc -eq 0 ] || status=1
+tail -n 3 "$OUT/pytest.log"
+
+# 2) the quick benchmark on random weights of the real configs in bf16: one process per preset with
+#    its own limit (≈ 100 s each, ≤ 300 s in all); partial records are saved after every point.
+#    Lean menu (k ∈ {0,1,3,5}, batch ≤ 8, one attention window) so compiling the 7B shapes fits.
+for preset in smollm2-135m qwen2.5-1.5b llama-7b-shaped; do
+  timeout "${PRESET_LIMIT_S:-100}" "$PY" -m benchmarks.gpu_bench --presets "$preset" --dtype bfloat16 \
+    --alpha "$ALPHA" --draft "$DRAFT" --requests 8 --max-tokens 64 --max-prompt-tokens 160 --capacity 8 \
+    --k-menu 0,1,3,5 --fractions 0.3,1.2 --workloads chat,summarization,qa,sql,code \
+    --policies none,fixed:1,fixed:3,fixed:5,goodput --out "$OUT/gpu_bench/$preset" > "$OUT/gpu_bench_$preset.log" 2>&1
+  rc=$?; echo "gpu_bench $preset rc=$rc (124 = timed out; partial records stay in $OUT/gpu_bench/$preset/gpu_bench.json)"
+  [ $rc -eq 0 ] || status=1
+  tail -n 12 "$OUT/gpu_bench_$preset.log"
+done
+ls -la "$OUT"/gpu_bench/* 2>/dev/null
+exit $status

@@ -1,0 +1,34 @@
+"""`jaxspec bench --quick` end to end on the tiny preset: JSON schema, a figure, goal checks."""
+
+import argparse
+import json
+
+from benchmarks import cli
+
+REQUIRED = {"workload", "proposer", "policy", "rate", "mean_latency_s", "p50_latency_s", "p99_latency_s",
+            "mean_ttft_s", "mean_tpot_s", "tokens_per_s", "acceptance", "k_hist"}
+
+
+def test_quick_bench_end_to_end_on_tiny(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(tmp_path / "profiles"))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    out = tmp_path / "out"
+    args = parser.parse_args(["--model", "tiny", "--quick", "--proposers", "ngram", "--policies", "none,fixed:2,goodput",
+                              "--k-menu", "0,2", "--capacity", "2", "--requests", "2", "--max-tokens", "6",
+                              "--max-prompt-tokens", "200", "--load-fractions", "0.5,2", "--no-progress",
+                              "--json", str(tmp_path / "r.json"), "--out", str(out)])
+    assert cli.run(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    records = result["records"]
+    assert {r["workload"] for r in records} == {"chat", "summarization", "qa", "sql", "code"}  # quick keeps all
+    assert {r["policy"] for r in records} == {"none", "fixed:2", "goodput"}
+    assert len(records) == 5 * 2 * 3  # workload × rate × policy (one proposer)
+    for r in records:
+        assert REQUIRED <= set(r) and r["errors"] == 0 and r["proposer"] == "ngram"
+        assert r["rate"] > 0 and r["mean_latency_s"] > 0
+    rates = sorted({r["rate"] for r in records if r["workload"] == "chat"})
+    assert rates[1] / rates[0] == 4.0 or abs(rates[1] / rates[0] - 4.0) < 1e-2  # fractions of the measured μ
+    assert all(set(r["k_hist"]) <= {"0", "1", "2"} for r in records)  # per-row k: caps near max_tokens
+    assert (out / "bench_latency_ngram.png").stat().st_size > 1000
+    assert result["checks"]["goodput_vs_best_fixed"] and "machine" in result["meta"]

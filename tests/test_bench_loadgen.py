@@ -1,0 +1,90 @@
+"""Poisson arrivals and the open-loop driver's latency accounting (fake clock, stub scheduler)."""
+
+import types
+
+import numpy as np
+import pytest
+
+from benchmarks.loadgen import poisson_arrivals, run_closed_loop, run_open_loop, summarize
+from jaxspec.scheduler import FinishReason
+
+
+def test_poisson_arrival_statistics():
+    rate, n = 5.0, 20000
+    t = poisson_arrivals(rate, n, seed=3)
+    gaps = np.diff(np.concatenate([[0.0], t]))
+    assert np.all(gaps > 0) and np.all(np.diff(t) > 0)
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)  # exponential: CV = 1
+    assert np.mean(gaps < 1 / rate) == pytest.approx(1 - np.exp(-1), abs=0.015)
+    counts = np.histogram(t, bins=np.arange(0, t[-1], 1.0))[0]  # Poisson counts: var = mean = rate
+    assert counts.mean() == pytest.approx(rate, rel=0.05) and counts.var() == pytest.approx(rate, rel=0.15)
+    assert np.array_equal(poisson_arrivals(rate, 10, seed=3), t[:10])
+    with pytest.raises(ValueError):
+        poisson_arrivals(0.0, 3)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
+class StubScheduler:
+    """Serves one request at a time; each step takes 0.1 s and emits one token; 3 tokens/request."""
+
+    def __init__(self, clock):
+        self.clock, self.queue, self.num_running = clock, [], 0
+
+    def submit(self, request, stream=False):
+        h = types.SimpleNamespace(request=request, arrival=self.clock(), left=3, first=None, res=None)
+        h.done = lambda h=h: h.res is not None
+        h.result = lambda h=h: h.res
+        self.queue.append(h)
+        return h
+
+    def step_once(self):
+        if not self.queue:
+            return False
+        self.clock.sleep(0.1)
+        h = self.queue[0]
+        h.left -= 1
+        h.first = h.first or self.clock()
+        if h.left == 0:
+            self.queue.pop(0)
+            now = self.clock()
+            h.res = types.SimpleNamespace(
+                request_id=h.request.request_id, token_ids=(1, 2, 3), steps=(), proposed=0, accepted=0,
+                finish_reason=FinishReason.LENGTH, error=None,
+                timings=types.SimpleNamespace(total_s=now - h.arrival, ttft_s=h.first - h.arrival,
+                                              tpot_s=(now - h.first) / 2))
+        return True
+
+
+def test_open_loop_latency_counts_from_the_scheduled_arrival():
+    clock = FakeClock()
+    reqs = [types.SimpleNamespace(request_id=f"r{i}") for i in range(3)]
+    # r1 arrives at 0.05 while r0's first step (0..0.1) runs: it is submitted at 0.1, queued behind r0
+    samples = run_open_loop(StubScheduler(clock), reqs, [0.0, 0.05, 10.0], clock=clock, sleep=clock.sleep)
+    lat = {s.request_id: s.latency_s for s in samples}
+    assert lat["r0"] == pytest.approx(0.3)
+    assert lat["r1"] == pytest.approx(0.6 - 0.05)  # finishes at 0.6, arrived at 0.05 (not 0.1)
+    assert lat["r2"] == pytest.approx(0.3)  # the driver slept until 10.0, no queueing
+    summary = summarize(samples)
+    assert summary["requests"] == 3 and summary["output_tokens"] == 9
+    assert summary["mean_latency_s"] == pytest.approx((0.3 + 0.55 + 0.3) / 3)
+    assert summary["tokens_per_s"] == pytest.approx(9 / 10.3)
+
+
+def test_closed_loop_keeps_concurrency():
+    clock = FakeClock()
+    sched = StubScheduler(clock)
+    reqs = [types.SimpleNamespace(request_id=f"r{i}") for i in range(4)]
+    samples = run_closed_loop(sched, reqs, concurrency=2, clock=clock)
+    assert sorted(s.request_id for s in samples) == ["r0", "r1", "r2", "r3"]
+    assert max(s.finish_s for s in samples) == pytest.approx(1.2)  # 12 single-token steps
