@@ -117,6 +117,7 @@ class Engine:
         self._proposer_params = self.proposer.params()
         self._executables: dict[tuple, Callable] = {}
         self.lengths = np.zeros(config.num_slots, np.int64)  # host mirror of committed lengths
+        self.proposer_lengths = np.zeros(config.num_slots, np.int64)  # host mirror: what the proposer saw
         self.state = self._init_state()
 
     # --- state ---------------------------------------------------------------------
@@ -160,9 +161,9 @@ class Engine:
                 proposals, pstate = proposer.propose(proposer_params, state.proposer, ctx, k, window)
                 # per-request k: row b verifies at most row_k[b] proposals
                 proposals = dataclasses.replace(proposals, lens=jnp.minimum(proposals.lens, row_k))
-            else:
+            else:  # plain decoding: the proposer's state is left alone (caught up lazily)
                 proposals = empty_proposals(b)
-                pstate = proposer.sync(proposer_params, state.proposer, ctx, window)
+                pstate = state.proposer
             # tokens_in: [B, k+1] = pending then the proposals
             tokens_in = jnp.concatenate([pending[:, None], proposals.token_ids], axis=1)
             logits, cache = target.forward_cached(chain_inputs(tokens_in, slot_ids, start), state.cache, window,
@@ -176,7 +177,8 @@ class Engine:
             # history[slot, start+1+j] = out[:, j]  (entries past counts are overwritten later)
             hist_pos = start[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :]  # [B, k+1]
             history = state.history.at[slot_ids[:, None], hist_pos].set(out, mode="drop")
-            pstate = proposer.commit(pstate, ctx, k, counts - 1)
+            if k > 0:
+                pstate = proposer.commit(pstate, ctx, k, counts - 1)
             new_state = DecodeState(
                 cache=cache,
                 pending=state.pending.at[slot_ids].set(new_pending),
@@ -228,6 +230,20 @@ class Engine:
 
         return body
 
+    def _catch_up_body(self, chunk: int, window: int):
+        """Feed a slot's committed history [start, start + n_valid) to the proposer's state."""
+        proposer = self.proposer
+
+        def body(proposer_params, state: DecodeState, slot, start, n_valid):
+            # slot, start, n_valid: [1]; tokens: [1, C] gathered on device from the history
+            idx = jnp.clip(start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :], 0, state.history.shape[1] - 1)
+            tokens = state.history[slot[:, None], idx]
+            pstate = proposer.prefill(proposer_params, state.proposer, chain_inputs(tokens, slot, start), n_valid,
+                                      window)
+            return dataclasses.replace(state, proposer=pstate)
+
+        return body
+
     # --- compilation ---------------------------------------------------------------
 
     def menu(self, batch_buckets=None, k_menu=None) -> list[tuple]:
@@ -236,6 +252,8 @@ class Engine:
         keys = [("step", b, k, w) for b in (batch_buckets or c.batch_buckets)
                 for k in (k_menu or c.k_menu) for w in c.window_buckets]
         keys += [("prefill", ch, w) for ch in c.prefill_buckets for w in c.window_buckets if w >= ch]
+        if self.proposer.tracks_context and any(k > 0 for k in (k_menu or c.k_menu)):
+            keys += [("catchup", ch, w) for ch in c.prefill_buckets for w in c.window_buckets if w >= ch]
         return keys
 
     def _compile(self, key: tuple) -> Callable:
@@ -245,6 +263,10 @@ class Engine:
             _, b, k, w = key
             fn = jax.jit(self._step_body(k, w), donate_argnums=(2,))
             lowered = fn.lower(self._params, self._proposer_params, self.state, i32(b), i32(b))
+        elif key[0] == "catchup":
+            _, ch, w = key
+            fn = jax.jit(self._catch_up_body(ch, w), donate_argnums=(1,))
+            lowered = fn.lower(self._proposer_params, self.state, i32(1), i32(1), i32(1))
         else:
             _, ch, w = key
             fn = jax.jit(self._prefill_body(ch, w), donate_argnums=(2,))
@@ -291,6 +313,7 @@ class Engine:
             np.array([params.temperature], np.float32), np.array([params.top_p], np.float32),
             np.array([params.top_k], np.int32), np.array([seed], np.int32))
         self.lengths[slot] = start + n
+        self.proposer_lengths[slot] = start + n
         return int(np.asarray(first)[0]) if is_last else None
 
     def prefill(self, slot: int, prompt: list[int], params: SamplingParams, seed: int | None = None) -> int:
@@ -320,21 +343,44 @@ class Engine:
             raise CapacityError(f"a slot needs {needed} cache positions > max_len {self.config.max_len}")
         window = smallest_at_least(self.config.window_buckets, needed, "window")
         fn = self._executable(("step", b, k, window))
+        if k > 0 and self.proposer.tracks_context:
+            self._catch_up(slot_ids)
         slots = np.full((b,), self.scratch_slot, np.int32)
         slots[:n] = slot_ids
         self.state, packed = fn(self._params, self._proposer_params, self.state, slots, caps)
         packed = np.asarray(packed)[:n]  # the one host copy of this step
         result = StepResult(tokens=packed[:, : k + 1], counts=packed[:, k + 1], proposed=packed[:, k + 2])
+        if k > 0 and self.proposer.tracks_context:  # mirrors the proposer's commit
+            self.proposer_lengths[list(slot_ids)] = self.lengths[list(slot_ids)] + 1 + np.minimum(result.accepted, k - 1)
         self.lengths[list(slot_ids)] += result.counts
         return result
+
+    def _catch_up(self, slot_ids: list[int]) -> None:
+        """Before speculating, feed each slot's proposer the committed tokens it missed during
+        k = 0 steps, in prefill-bucket chunks, until only what `propose` feeds itself is left."""
+        in_step = self.proposer.in_step_catch_up
+        for slot in slot_ids:
+            while self.lengths[slot] + 1 - self.proposer_lengths[slot] > in_step:
+                start = int(self.proposer_lengths[slot])
+                missing = int(self.lengths[slot]) - start
+                chunk = smallest_at_least(self.config.prefill_buckets, min(missing, self.config.prefill_buckets[-1]),
+                                          "prefill")
+                n = min(missing, chunk)
+                window = smallest_at_least(self.config.window_buckets, min(start + chunk, self.config.max_len), "window")
+                fn = self._executable(("catchup", chunk, window))
+                self.state = fn(self._proposer_params, self.state, np.array([slot], np.int32),
+                                np.array([start], np.int32), np.array([n], np.int32))
+                self.proposer_lengths[slot] = start + n
 
     def reset(self) -> None:
         """Empty every slot with fresh device state (e.g. after a failed call left the donated
         state invalid). Compiled executables are kept."""
         self.state = self._init_state()
         self.lengths[:] = 0
+        self.proposer_lengths[:] = 0
 
     def free(self, slot: int) -> None:
         """Forget a slot's contents (the next prefill overwrites it)."""
         self.lengths[slot] = 0
+        self.proposer_lengths[slot] = 0
 

@@ -109,20 +109,22 @@ def test_vocab_mismatch_is_a_clear_error(tiny_model):
 
 def test_draft_cache_stays_in_sync_across_k0_steps(tiny_model, references):
     """Alternate k = 0 and k > 0: with the target as draft every proposal must be accepted,
-    which only holds if the draft cache saw every committed token (bonus ones included)."""
+    which only holds if the draft cache saw every committed token (bonus ones included). k = 0
+    steps leave the draft alone; runs of them are caught up in chunks when speculation resumes."""
     cfg = MENU.replace(batch_buckets=(4,), k_menu=(0, 3))
     engine = Engine(tiny_model, DraftModelProposer(tiny_model), cfg)
     engine.warmup(progress=False)
     prompts, expected = references
     slots = [0, 1, 2]
     outputs = [[engine.prefill(s, p, SamplingParams())] for s, p in zip(slots, prompts[:3])]
-    for k in (0, 0, 3, 0, 3, 3, 0, 0, 0, 3):
+    for k in (0, 0, 3, 0, 3, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 3, 3):
         result = engine.step(slots, k)
         if k:
             assert (result.accepted == k).all()
         for row, out in enumerate(outputs):
             out += result.row_tokens(row)
     draft_lengths = np.asarray(engine.state.proposer.lengths)[slots]
+    np.testing.assert_array_equal(draft_lengths, engine.proposer_lengths[slots])  # host mirror is exact
     np.testing.assert_array_equal(draft_lengths + 1, engine.lengths[slots])  # after an all-accepted step the draft lacks d_k
     for out, ref in zip(outputs, expected):
         assert out[:N_NEW] == ref

@@ -39,6 +39,12 @@ class Proposer:
     name: str = "none"
     #: True if the proposer returns draft probabilities (else proposals are point masses).
     has_probs: bool = False
+    #: Per-slot state that must see every committed token (a draft KV cache). Such state is
+    #: not touched in k = 0 steps (they cost exactly plain decoding); the engine tracks how far
+    #: each slot lags and calls `prefill` on the missing history before the next k > 0 step.
+    tracks_context: bool = False
+    #: How many trailing tokens (pending included) `propose` itself feeds before drafting.
+    in_step_catch_up: int = 1
 
     def init_state(self, num_slots: int, max_len: int):
         """Device state for `num_slots` slots (+ scratch). Default: none."""
@@ -49,15 +55,12 @@ class Proposer:
         return ()
 
     def prefill(self, params, state, inputs: StepInputs, n_valid: jax.Array, window: int):
-        """See a prompt chunk (the same chunk the target prefills). Returns the new state."""
+        """See a chunk of a slot's tokens (a prompt chunk, or committed history it missed while
+        k was 0). Returns the new state."""
         return state
 
     def propose(self, params, state, ctx: StepContext, k: int, window: int) -> tuple[Proposals, object]:
         raise NotImplementedError
-
-    def sync(self, params, state, ctx: StepContext, window: int):
-        """A step with k = 0: keep any per-slot state in sync. Returns the new state."""
-        return state
 
     def commit(self, state, ctx: StepContext, k: int, n_accepted: jax.Array):
         """After verification: `n_accepted` [B] of the k proposals were kept."""

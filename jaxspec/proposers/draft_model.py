@@ -1,10 +1,11 @@
 """Draft-model proposer: a small Llama with its own KV cache, k draft steps in one call.
 
-Keeping the draft cache in sync (DESIGN.md §11, "bonus token and draft catch-up"): every step,
-k = 0 included, the draft first consumes the tokens the target committed that it has not
-seen, through the pending token. Because this happens every step, at most two tokens are ever
-missing (the last accepted proposal when all k were accepted, and the pending token), so the
-catch-up is a fixed chunk of width 2 with a per-row count.
+Keeping the draft cache in sync (DESIGN.md §11, "bonus token and draft catch-up"): steps with
+k = 0 do not touch the draft (they cost exactly plain decoding). A speculating step first feeds
+the draft what the target committed since the draft last saw it, through the pending token.
+After a k > 0 step at most one committed token is missing (the last accepted proposal when all
+k were accepted), so the in-step catch-up is a fixed chunk of width 2 with a per-row count; the
+engine brings longer lags (after k = 0 steps) down to that with bucketed catch-up calls first.
 
     target:  ... t(s-1) | pending(s)                    committed length s
     draft:   ... t(dl-1)                                draft length dl ∈ {s-1, s}
@@ -30,6 +31,8 @@ class DraftModelProposer(Proposer):
     """Samples k tokens autoregressively from a draft model (warped like the target)."""
 
     has_probs = True
+    tracks_context = True
+    in_step_catch_up = CATCH_UP
 
     def __init__(self, draft: Llama, name: str = "draft"):
         self.name = name
@@ -63,10 +66,6 @@ class DraftModelProposer(Proposer):
                                              logits_at=(count - 1)[:, None])
         return logits[:, 0, :], state
 
-    def sync(self, params, state: KVCache, ctx: StepContext, window: int) -> KVCache:
-        _, state = self._catch_up(self._model(params), state, ctx, window)
-        return state
-
     def propose(self, params, state: KVCache, ctx: StepContext, k: int, window: int):
         draft = self._model(params)
         logits, state = self._catch_up(draft, state, ctx, window)  # logits: [B, V]
@@ -93,6 +92,6 @@ class DraftModelProposer(Proposer):
         return Proposals(token_ids=tokens, lens=lens, draft_probs=probs), state
 
     def commit(self, state: KVCache, ctx: StepContext, k: int, n_accepted: jax.Array) -> KVCache:
-        # The draft holds pending + d_1..d_{k-1}; keep what the target accepted.
-        valid = ctx.start + 1 + (jnp.minimum(n_accepted, k - 1) if k > 0 else 0)  # [B]
+        # The draft holds pending + d_1..d_{k-1}; keep what the target accepted (k > 0 only).
+        valid = ctx.start + 1 + jnp.minimum(n_accepted, k - 1)  # [B]
         return state.with_lengths(ctx.slot_ids, valid)

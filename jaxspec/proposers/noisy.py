@@ -26,6 +26,7 @@ class NoisyProposer(Proposer):
         self.inner, self.alpha, self.vocab_size = inner, float(alpha), vocab_size
         self.name = f"noisy({inner.name},{alpha:g})"
         self.config = getattr(inner, "config", None)
+        self.tracks_context, self.in_step_catch_up = inner.tracks_context, inner.in_step_catch_up
 
     def init_state(self, num_slots, max_len):
         return self.inner.init_state(num_slots, max_len)
@@ -35,9 +36,6 @@ class NoisyProposer(Proposer):
 
     def prefill(self, params, state, inputs, n_valid, window):
         return self.inner.prefill(params, state, inputs, n_valid, window)
-
-    def sync(self, params, state, ctx, window):
-        return self.inner.sync(params, state, ctx, window)
 
     def commit(self, state, ctx, k, n_accepted):
         return self.inner.commit(state, ctx, k, n_accepted)
