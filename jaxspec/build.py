@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from jaxspec.config_file import check_fields
 from jaxspec.engine import Engine, EngineConfig
 from jaxspec.proposers.base import Proposer
 from jaxspec.proposers.draft_model import DraftModelProposer
@@ -84,12 +85,7 @@ def load_engine_config(name_or_path: str | None = None, **overrides) -> EngineCo
         if name_or_path not in menus:
             raise KeyError(f"unknown engine menu {name_or_path!r}; known: {', '.join(menus)}")
         values = menus[name_or_path]
-    if not isinstance(values, dict):
-        raise ValueError(f"engine config {name_or_path}: expected a mapping of EngineConfig fields")
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"engine config {name_or_path}: unknown keys {unknown}; known: {sorted(known)}")
+    values = check_fields(EngineConfig, values, f"engine config {name_or_path}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return EngineConfig(**values)

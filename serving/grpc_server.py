@@ -38,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxspec.build import PROPOSERS
+from jaxspec.config_file import check_fields
 from jaxspec.engine import Engine
 from jaxspec.policy.base import Policy
 from jaxspec.scheduler import (FinishReason, InvalidRequestError, QueueFullError, Request, RequestHandle,
@@ -132,14 +133,7 @@ def load_serve_config(path: str | Path | None = None, **overrides) -> ServeConfi
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"serving config {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping of serving settings")
-        known = {f.name for f in dataclasses.fields(ServeConfig)}
-        unknown = sorted(set(loaded) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(known)}")
-        values.update(loaded)
+        values.update(check_fields(ServeConfig, yaml.safe_load(path.read_text()) or {}, path))
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ServeConfig(**values)
 
