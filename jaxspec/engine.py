@@ -100,6 +100,7 @@ class Engine:
         self.model_config = target.config
         self.proposer = proposer or NoProposer()
         if isinstance(self.proposer, NoProposer) and config.k_menu != (0,):
+            # a plain engine can only take k = 0: compile just that (a k > 0 step then raises MenuMissError)
             config = config.replace(k_menu=(0,))
             self.config = config
         draft_config = getattr(self.proposer, "config", None)
