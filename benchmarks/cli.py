@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 ALL_POLICIES = ("none", "fixed:1", "fixed:3", "fixed:5", "table", "heuristic", "goodput", "goodput-per-request")
-QUICK_POLICIES = ("none", "fixed:1", "fixed:3", "goodput")
+QUICK_POLICIES = ("none", "fixed:3", "goodput")
 FIXED_BASELINES = ("none", "fixed:1", "fixed:3", "fixed:5")
 
 
@@ -61,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rates as fractions of the measured service rate (default 0.1,0.3,0.6,0.9,1.2)")
     parser.add_argument("--closed-loop", type=_ints, default=None, metavar="C1,C2,..",
                         help="closed-loop mode at these concurrencies instead of Poisson load (issue 5)")
-    parser.add_argument("--requests", type=int, default=None, help="requests per cell (default 24, quick 6)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="output cap per request (default 64, quick 32)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt cap (default 256, quick 192)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per cell (default 24, quick 4)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="output cap per request (default 64, quick 24)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt cap (default 256, quick 160)")
     parser.add_argument("--capacity", type=int, default=None, help="max running requests (default 8; closed loop: "
                                                                    "the largest concurrency)")
     parser.add_argument("--k-menu", type=_ints, default=(0, 1, 2, 3, 4, 5), help="compiled k values (default 0..5)")
@@ -113,15 +113,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     bad = [p for p in proposers if p not in ("ngram", "draft")]
     if bad:
         raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft")
-    max_tokens = args.max_tokens or (32 if q else 64)
-    max_prompt = args.max_prompt_tokens or (192 if q else 256)
+    max_tokens = args.max_tokens or (24 if q else 64)
+    max_prompt = args.max_prompt_tokens or (160 if q else 256)
     capacity = args.capacity or (max(args.closed_loop) if args.closed_loop else (4 if q else 8))
     if args.closed_loop and max(args.closed_loop) > capacity:
         raise ValueError(f"concurrency {max(args.closed_loop)} exceeds --capacity {capacity}")
     return Settings(
         workloads=workloads, proposers=tuple(proposers), policies=tuple(args.policies or (QUICK_POLICIES if q else ALL_POLICIES)),
-        rates=args.rates, fractions=args.load_fractions or ((0.2, 0.7, 1.3) if q else (0.1, 0.3, 0.6, 0.9, 1.2)),
-        closed_loop=args.closed_loop, requests=args.requests or (6 if q else 24), max_tokens=max_tokens,
+        rates=args.rates, fractions=args.load_fractions or ((0.5, 1.3) if q else (0.1, 0.3, 0.6, 0.9, 1.2)),
+        closed_loop=args.closed_loop, requests=args.requests or (4 if q else 24), max_tokens=max_tokens,
         max_prompt_tokens=max_prompt, capacity=capacity, k_menu=tuple(args.k_menu),
         max_len=args.max_len or max_prompt + max_tokens + max(args.k_menu) + 16, ignore_eos=args.ignore_eos,
         seed=args.seed, quick=q, progress=not args.no_progress,
