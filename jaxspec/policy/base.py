@@ -73,10 +73,3 @@ def menu_at_most(k: int, view: BatchView) -> int:
 def row_caps(k: int, view: BatchView) -> tuple[int, ...]:
     """Per-row caps min(k, row_max_k): rows near their limits speculate less, others keep k."""
     return tuple(min(k, cap) for cap in view.row_max_k)
-
-
-def clamp_to_menu(k: int, view: BatchView) -> int:
-    """The largest menu value ≤ min(k, every row's cap)."""
-    cap = min([k, *view.row_max_k]) if view.row_max_k else k
-    allowed = [m for m in view.k_menu if m <= cap]
-    return allowed[-1] if allowed else view.k_menu[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping
 
-from jaxspec.policy.base import BatchView, Decision, Policy, clamp_to_menu
+from jaxspec.policy.base import BatchView, Decision, Policy, menu_at_most, row_caps
 from jaxspec.policy.decision_log import DecisionLog
 from jaxspec.types import StepResult
 
@@ -57,7 +57,8 @@ class TablePolicy(Policy):
         return self.table[max(n for n in self.table if n <= batch_size)]
 
     def choose(self, view: BatchView) -> Decision:
-        return Decision(k=clamp_to_menu(self.k_for(view.batch_size), view))
+        k = menu_at_most(self.k_for(view.batch_size), view)
+        return Decision(k=k, row_k=row_caps(k, view))  # a row near its limits speculates less, not the batch
 
     def observe(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float) -> None:
         self.log.record(view, decision, result, elapsed_s)

@@ -35,7 +35,8 @@ def test_table_is_a_step_function_of_the_live_batch():
 def test_table_clamps_to_menu_and_caps():
     p = TablePolicy({1: 7})
     assert p.choose(view(1, k_menu=(0, 2, 4, 8))).k == 4  # largest menu value <= 7
-    assert p.choose(view(2, caps=(8, 1))).k == 1  # like fixed:K, the smallest cap binds
+    capped = p.choose(view(2, caps=(8, 1)))  # like fixed:K: each row's own cap binds, not the batch's
+    assert capped.k == max(k for k in view(2).k_menu if k <= 7) and capped.row_k == (capped.k, 1)
 
 
 def test_table_parsing_and_validation():
