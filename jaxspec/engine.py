@@ -111,10 +111,9 @@ class Engine:
         self._graphdef, params = nnx.split(target)
         # Serving reads per-layer weight arrays (unrolled layers, no per-step slice copies); the
         # stacked originals are replaced by empty placeholders so the weights live once.
-        self._layers = target.layer_weights()
         for name in target.stacked_weight_names():
             params[name] = params[name].replace(jnp.zeros((0,), params[name].value.dtype))
-        self._params = (params, self._layers)
+        self._params = (params, target.layer_weights())
         self._proposer_params = self.proposer.params()
         self._executables: dict[tuple, Callable] = {}
         self.lengths = np.zeros(config.num_slots, np.int64)  # host mirror of committed lengths
@@ -156,8 +155,7 @@ class Engine:
             b = slot_ids.shape[0]
             start = state.cache.lengths[slot_ids]  # [B]
             pending = state.pending[slot_ids]  # [B]
-            ctx = StepContext(slot_ids=slot_ids, start=start, pending=pending, history=state.history,
-                              rows=self._rows(state, slot_ids))
+            ctx = StepContext(slot_ids=slot_ids, start=start, history=state.history, rows=self._rows(state, slot_ids))
             if k > 0:
                 proposals, pstate = proposer.propose(proposer_params, state.proposer, ctx, k, window)
                 # per-request k: row b verifies at most row_k[b] proposals

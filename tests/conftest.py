@@ -12,7 +12,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxspec.engine import enable_compilation_cache  # noqa: E402
+from jaxspec.engine import Engine, enable_compilation_cache  # noqa: E402
+from jaxspec.types import SamplingParams  # noqa: E402
 from models.config import TINY  # noqa: E402
 from models.llama import random_model  # noqa: E402
 
@@ -54,3 +55,19 @@ def _jitted_forward(model):
 def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(2, vocab, size=n)] for n in lengths]
+
+
+def decode(engine: Engine, prompts, k: int, n_new: int, params=None, slots=None) -> tuple[list[list[int]], float]:
+    """Prefill each prompt into its slot and step with a fixed k until every row has n_new tokens
+    (finished rows leave the batch). Returns the outputs and accepted / proposed."""
+    slots = list(range(len(prompts))) if slots is None else list(slots)
+    params = params or [SamplingParams()] * len(prompts)
+    outputs = [[engine.prefill(s, p, q)] for s, p, q in zip(slots, prompts, params)]
+    accepted, proposed = 0, 0
+    while rows := [row for row, out in enumerate(outputs) if len(out) < n_new]:
+        result = engine.step([slots[row] for row in rows], k)
+        for i, row in enumerate(rows):
+            outputs[row] += result.row_tokens(i)
+        accepted += int(result.accepted.sum())
+        proposed += int(result.proposed.sum())
+    return [o[:n_new] for o in outputs], accepted / max(proposed, 1)

@@ -13,7 +13,7 @@ from jaxspec.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
 from models.config import TINY
 from models.llama import random_model
-from tests.conftest import random_prompts, reference_greedy
+from tests.conftest import decode, random_prompts, reference_greedy
 
 MENU = EngineConfig(num_slots=8, max_len=128, batch_buckets=(1, 8), k_menu=(0, 1, 2, 3, 4, 5, 6, 8),
                     window_buckets=(128,), prefill_buckets=(32,))
@@ -48,22 +48,6 @@ def _truncated(target, layers: int):
     return from_hf_state_dict(target.config.replace(num_layers=layers), to_hf_state_dict(target))
 
 
-def run_greedy(engine: Engine, prompts, k: int, n_new: int) -> tuple[list[list[int]], float]:
-    slots = list(range(len(prompts)))
-    outputs = [[engine.prefill(s, p, SamplingParams())] for s, p in zip(slots, prompts)]
-    accepted, proposed = 0, 0
-    while True:
-        rows = [row for row, out in enumerate(outputs) if len(out) < n_new]  # finished rows retire
-        if not rows:
-            break
-        result = engine.step([slots[row] for row in rows], k)
-        for i, row in enumerate(rows):
-            outputs[row] += result.row_tokens(i)
-        accepted += int(result.accepted.sum())
-        proposed += int(result.proposed.sum())
-    return [o[:n_new] for o in outputs], accepted / max(proposed, 1)
-
-
 @pytest.mark.parametrize("name", ["ngram", "draft-self", "draft-truncated", "noisy-0.6"])
 def test_greedy_equals_plain_decoding(tiny_model, references, name):
     compile_counter.install()
@@ -74,7 +58,7 @@ def test_greedy_equals_plain_decoding(tiny_model, references, name):
     rates = {}
     for k in MENU.k_menu:
         for batch in (1, 3, 8):
-            outputs, rates[k, batch] = run_greedy(engine, prompts[:batch], k, N_NEW)
+            outputs, rates[k, batch] = decode(engine, prompts[:batch], k, N_NEW)
             for row, (out, ref) in enumerate(zip(outputs, expected)):
                 assert out == ref, f"{name} k={k} batch={batch} row={row}"
     assert compile_counter.count() == compiles, "a step compiled after warm-up"
@@ -89,7 +73,7 @@ def test_plain_engine_and_menu_errors(tiny_model, references):
     assert engine.config.k_menu == (0,)
     engine.warmup(progress=False)
     prompts, expected = references
-    outputs, _ = run_greedy(engine, prompts[:1], 0, N_NEW)
+    outputs, _ = decode(engine, prompts[:1], 0, N_NEW)
     assert outputs[0] == expected[0]
     with pytest.raises(MenuMissError):
         engine.step([0], 3)

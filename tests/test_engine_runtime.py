@@ -10,7 +10,7 @@ from jaxspec.engine import Engine, EngineConfig
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.types import SamplingParams
 from models.config import TINY
-from tests.conftest import random_prompts
+from tests.conftest import decode, random_prompts
 
 CONFIG = EngineConfig(num_slots=8, max_len=128, batch_buckets=(1, 4, 8), k_menu=(0, 2, 3),
                       window_buckets=(64, 128), prefill_buckets=(32,))
@@ -24,12 +24,7 @@ def engine(tiny_model):
 
 
 def _sample(engine, slots, prompts, params, k, n):
-    outs = [[engine.prefill(s, p, params[i])] for i, (s, p) in enumerate(zip(slots, prompts))]
-    while min(len(o) for o in outs) < n:
-        result = engine.step(slots, k)
-        for row, out in enumerate(outs):
-            out += result.row_tokens(row)
-    return [o[:n] for o in outs]
+    return decode(engine, prompts, k, n, params=params, slots=slots)[0]
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):

@@ -8,7 +8,7 @@ from jaxspec.build import build_model, truncated_copy
 from jaxspec.engine import Engine, EngineConfig
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
-from jaxspec.types import SamplingParams
+from tests.conftest import decode
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +26,6 @@ def default_model():
     return build_model(None)
 
 
-def _generate(engine: Engine, prompts: list[list[int]], k: int) -> list[list[int]]:
-    slots = list(range(len(prompts)))
-    outs = [[engine.prefill(s, p, SamplingParams())] for s, p in zip(slots, prompts)]
-    while min(len(o) for o in outs) < N_NEW:
-        result = engine.step(slots, k)
-        for row, out in enumerate(outs):
-            out += result.row_tokens(row)
-    return [o[:N_NEW] for o in outs]
-
-
 def test_prompt_lookup_and_draft_equal_plain_decoding(default_model):
     tok = default_model.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
@@ -44,8 +34,8 @@ def test_prompt_lookup_and_draft_equal_plain_decoding(default_model):
     for name, proposer in (("ngram", PromptLookupProposer()), ("draft", DraftModelProposer(draft))):
         engine = Engine(default_model.model, proposer, CONFIG)
         engine.warmup(progress=False)
-        results[name, 0] = _generate(engine, prompts, 0)
-        results[name, 3] = _generate(engine, prompts, 3)
+        results[name, 0] = decode(engine, prompts, 0, N_NEW)[0]
+        results[name, 3] = decode(engine, prompts, 3, N_NEW)[0]
     plain = results["ngram", 0]
     for key, outputs in results.items():
         assert outputs == plain, key

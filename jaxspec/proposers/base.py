@@ -22,13 +22,12 @@ class StepContext:
     """What a proposer may look at in one step.
 
     slot_ids: [B] cache slot per row.      start:   [B] committed target length per row.
-    pending:  [B] newest token per row.     history: [S+1, M] all tokens of every slot.
+    history:  [S+1, M] all tokens of every slot; history[slot, start] is the row's pending token.
     rows:     the rows' sampling parameters and fresh keys.
     """
 
     slot_ids: jax.Array
     start: jax.Array
-    pending: jax.Array
     history: jax.Array
     rows: RowParams
 
