@@ -185,39 +185,46 @@ class TargetGenerator:
         return {"tokens": out_tokens[keep], "mask": mask[keep], "top_ids": top_ids[keep], "top_lp": top_lp[keep]}
 
 
+def write_shards(batches: list, out: Path, prefix: str, make, desc: str,
+                 time_budget_s: float | None = None, progress: bool = True) -> list[Path]:
+    """Resumable shards: `make(batch) -> dict of arrays` (with a "mask") is saved atomically as
+    `{prefix}_{i:05d}.npz`; shards already on disk are skipped; stops when the time budget is spent."""
+    from tqdm import tqdm
+
+    start, paths = time.time(), []
+    bar = tqdm(total=len(batches), desc=desc, unit="shard", disable=not progress)
+    for b, batch in enumerate(batches):
+        path = out / f"{prefix}_{b:05d}.npz"
+        if not path.exists():
+            if time_budget_s is not None and time.time() - start > time_budget_s:
+                break
+            t0 = time.time()
+            data = make(batch)
+            tmp = out / f".tmp_{prefix}_{b:05d}.npz"
+            np.savez(tmp, **data)
+            tmp.rename(path)
+            bar.set_postfix(tok_s=f"{int(data['mask'].sum()) / (time.time() - t0):.0f}")
+        paths.append(path)
+        bar.update(1)
+    bar.close()
+    return paths
+
+
 def build_shards(target: Llama, prompts: list[list[int]], out_dir: str | Path, eos_ids: tuple[int, ...],
                  rows: int = 16, prompt_len: int = 128, gen_len: int = 128, top_k: int = 32,
                  time_budget_s: float | None = None, progress: bool = True) -> list[Path]:
     """Generate shards for `prompts` into out_dir, skipping shards already there (resumable)."""
-    from tqdm import tqdm
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = None
-    start = time.time()
-    batches = [prompts[i:i + rows] for i in range(0, len(prompts), rows)]
-    paths = []
-    bar = tqdm(total=len(batches), desc="target continuations", unit="shard", disable=not progress)
-    for b, batch in enumerate(batches):
-        path = out / f"shard_{b:05d}.npz"
-        if path.exists():
-            paths.append(path)
-            bar.update(1)
-            continue
-        if time_budget_s is not None and time.time() - start > time_budget_s:
-            break
+
+    def make(batch):
+        nonlocal gen
         gen = gen or TargetGenerator(target, rows, prompt_len, gen_len, top_k)
-        t0 = time.time()
-        data = gen.generate(batch, eos_ids)
-        tmp = out / f".tmp_{b:05d}.npz"
-        np.savez(tmp, **data)
-        tmp.rename(path)
-        paths.append(path)
-        ntok = int(data["mask"].sum())
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{ntok / (time.time() - t0):.0f}")
-    bar.close()
-    return paths
+        return gen.generate(batch, eos_ids)
+
+    batches = [prompts[i:i + rows] for i in range(0, len(prompts), rows)]
+    return write_shards(batches, out, "shard", make, "target continuations", time_budget_s, progress)
 
 
 def load_shards(paths) -> dict[str, np.ndarray]:
@@ -268,8 +275,6 @@ def build_teacher_forced_shards(target: Llama, sequences: list[list[int]], out_d
                                 time_budget_s: float | None = None, progress: bool = True) -> list[Path]:
     """Target top-K over given token sequences (one cache-free forward per batch), as shards
     `tf_XXXXX.npz` in the same format as `build_shards` (resumable)."""
-    from tqdm import tqdm
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     graphdef, params = nnx.split(target)
@@ -281,19 +286,7 @@ def build_teacher_forced_shards(target: Llama, sequences: list[list[int]], out_d
         vals, ids = jax.lax.top_k(logp, top_k)
         return ids.astype(jnp.int32), vals.astype(jnp.float16)
 
-    start = time.time()
-    paths = []
-    batches = [sequences[i:i + rows] for i in range(0, len(sequences), rows)]
-    bar = tqdm(total=len(batches), desc="teacher-forced labels", unit="shard", disable=not progress)
-    for b, batch in enumerate(batches):
-        path = out / f"tf_{b:05d}.npz"
-        if path.exists():
-            paths.append(path)
-            bar.update(1)
-            continue
-        if time_budget_s is not None and time.time() - start > time_budget_s:
-            break
-        t0 = time.time()
+    def make(batch):
         tokens = np.zeros((rows, seq_len), np.int32)
         mask = np.zeros((rows, seq_len), bool)
         for i, ids in enumerate(batch):
@@ -301,11 +294,7 @@ def build_teacher_forced_shards(target: Llama, sequences: list[list[int]], out_d
             mask[i, :len(ids) - 1] = True  # the prediction after the last token has no use
         ids, lp = (np.asarray(a) for a in label(params, tokens))
         n = len(batch)
-        tmp = out / f".tmp_tf_{b:05d}.npz"
-        np.savez(tmp, tokens=tokens[:n], mask=mask[:n], top_ids=ids[:n], top_lp=lp[:n])
-        tmp.rename(path)
-        paths.append(path)
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{mask.sum() / (time.time() - t0):.0f}")
-    bar.close()
-    return paths
+        return {"tokens": tokens[:n], "mask": mask[:n], "top_ids": ids[:n], "top_lp": lp[:n]}
+
+    batches = [sequences[i:i + rows] for i in range(0, len(sequences), rows)]
+    return write_shards(batches, out, "tf", make, "teacher-forced labels", time_budget_s, progress)
