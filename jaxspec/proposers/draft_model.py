@@ -22,7 +22,7 @@ from jaxspec import sampling
 from jaxspec.proposers.base import Proposer, StepContext
 from jaxspec.types import Proposals
 from models.kv_cache import KVCache, init_cache
-from models.llama import Llama, StepInputs, chain_inputs
+from models.llama import Llama, ServingParams, StepInputs, chain_inputs, serving_split
 
 CATCH_UP = 2  # tokens fed to the draft at the start of every step
 
@@ -37,23 +37,25 @@ class DraftModelProposer(Proposer):
     def __init__(self, draft: Llama, name: str = "draft"):
         self.name = name
         self.config = draft.config
-        self.graphdef, self._params = nnx.split(draft)
+        # per-layer weights read in place, like the target's (a draft with many layers would
+        # otherwise copy every stacked slice on every draft forward)
+        self.graphdef, self._params = serving_split(draft)
 
-    def params(self):
+    def params(self) -> ServingParams:
         return self._params
 
     def init_state(self, num_slots: int, max_len: int) -> KVCache:
         return init_cache(self.config, num_slots, max_len)
 
-    def _model(self, params) -> Llama:
-        return nnx.merge(self.graphdef, params)
+    def _model(self, params: ServingParams) -> tuple[Llama, tuple[dict, ...]]:
+        return nnx.merge(self.graphdef, params[0]), params[1]
 
     def prefill(self, params, state: KVCache, inputs: StepInputs, n_valid, window):
-        draft = self._model(params)
-        _, state = draft.forward_cached(inputs, state, window, logits_at=(n_valid - 1)[:, None])
+        draft, layers = self._model(params)
+        _, state = draft.forward_cached(inputs, state, window, logits_at=(n_valid - 1)[:, None], layers=layers)
         return state.with_lengths(inputs.slot_ids, inputs.start + n_valid)
 
-    def _catch_up(self, draft: Llama, state: KVCache, ctx: StepContext, window: int):
+    def _catch_up(self, draft: Llama, layers, state: KVCache, ctx: StepContext, window: int):
         """Feed the missing committed tokens and the pending one. Returns logits [B, V] after
         the pending token and the cache (draft length is then start + 1)."""
         dl = state.lengths[ctx.slot_ids]  # [B]
@@ -63,12 +65,12 @@ class DraftModelProposer(Proposer):
         chunk = ctx.history[ctx.slot_ids[:, None], idx]
         count = ctx.start - dl + 1  # [B] ∈ {1, 2}
         logits, state = draft.forward_cached(chain_inputs(chunk, ctx.slot_ids, dl), state, window,
-                                             logits_at=(count - 1)[:, None])
+                                             logits_at=(count - 1)[:, None], layers=layers)
         return logits[:, 0, :], state
 
     def propose(self, params, state: KVCache, ctx: StepContext, k: int, window: int):
-        draft = self._model(params)
-        logits, state = self._catch_up(draft, state, ctx, window)  # logits: [B, V]
+        draft, layers = self._model(params)
+        logits, state = self._catch_up(draft, layers, state, ctx, window)  # logits: [B, V]
 
         def draw(logits, i):
             # token: [B] drawn from q = warp(logits) [B, V]
@@ -80,7 +82,7 @@ class DraftModelProposer(Proposer):
             state, token = carry
             # feed d_i at position start + i, draw d_{i+1}
             inputs = chain_inputs(token[:, None], ctx.slot_ids, ctx.start + i)
-            logits, state = draft.forward_cached(inputs, state, window)  # [B, 1, V]
+            logits, state = draft.forward_cached(inputs, state, window, layers=layers)  # [B, 1, V]
             nxt, q = draw(logits[:, 0, :], i)
             return (state, nxt), (nxt, q)
 
