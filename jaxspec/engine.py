@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Callable, Iterable
 
 import jax
@@ -338,22 +339,37 @@ class Engine:
             raise CapacityError(f"a slot needs {needed} cache positions > max_len {self.config.max_len}")
         window = smallest_at_least(self.config.window_buckets, needed, "window")
         fn = self._executable(("step", b, k, window))
+        catch_up_calls, catch_up_s = 0, 0.0
         if k > 0 and self.proposer.tracks_context:
-            self._catch_up(slot_ids)
+            started = time.perf_counter()
+            catch_up_calls = self._catch_up(slot_ids)
+            if catch_up_calls:
+                jax.block_until_ready(self.state)  # time the catch-up apart from the step
+                catch_up_s = time.perf_counter() - started
         slots = np.full((b,), self.scratch_slot, np.int32)
         slots[:n] = slot_ids
         self.state, packed = fn(self._params, self._proposer_params, self.state, slots, caps)
         packed = np.asarray(packed)[:n]  # the one host copy of this step
-        result = StepResult(tokens=packed[:, : k + 1], counts=packed[:, k + 1], proposed=packed[:, k + 2])
+        result = StepResult(tokens=packed[:, : k + 1], counts=packed[:, k + 1], proposed=packed[:, k + 2],
+                            catch_up_calls=catch_up_calls, catch_up_s=catch_up_s)
         if k > 0 and self.proposer.tracks_context:  # mirrors the proposer's commit
             self.proposer_lengths[list(slot_ids)] = self.lengths[list(slot_ids)] + 1 + np.minimum(result.accepted, k - 1)
         self.lengths[list(slot_ids)] += result.counts
         return result
 
-    def _catch_up(self, slot_ids: list[int]) -> None:
+    def catch_up_lag(self, slot: int) -> int:
+        """Committed tokens a slot's proposer must be fed by catch-up calls before it can
+        speculate (0 when it is within what a step feeds itself, or keeps no context)."""
+        if not self.proposer.tracks_context:
+            return 0
+        return max(0, int(self.lengths[slot] + 1 - self.proposer_lengths[slot]) - self.proposer.in_step_catch_up)
+
+    def _catch_up(self, slot_ids: list[int]) -> int:
         """Before speculating, feed each slot's proposer the committed tokens it missed during
-        k = 0 steps, in prefill-bucket chunks, until only what `propose` feeds itself is left."""
+        k = 0 steps, in prefill-bucket chunks, until only what `propose` feeds itself is left.
+        Returns the number of catch-up calls."""
         in_step = self.proposer.in_step_catch_up
+        calls = 0
         for slot in slot_ids:
             while self.lengths[slot] + 1 - self.proposer_lengths[slot] > in_step:
                 start = int(self.proposer_lengths[slot])
@@ -366,6 +382,8 @@ class Engine:
                 self.state = fn(self._proposer_params, self.state, np.array([slot], np.int32),
                                 np.array([start], np.int32), np.array([n], np.int32))
                 self.proposer_lengths[slot] = start + n
+                calls += 1
+        return calls
 
     def reset(self) -> None:
         """Empty every slot with fresh device state (e.g. after a failed call left the donated

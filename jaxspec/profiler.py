@@ -1,7 +1,7 @@
 """`jaxspec profile`: time every compiled step shape (B, k, W) of an engine's menu on this device.
 
-For each attention window W (one representative context per window: the shortest context that
-lands in it, since compute depends only on the static shape), each batch bucket B and each k:
+For each attention window W and k (one representative context: the shortest whose step at k
+lands in W, since compute depends only on the static shape), each batch bucket B and each k:
 prefill B dummy slots, run one untimed step, then `repeats` timed steps, and keep the median
 seconds. Slots are re-prefilled whenever growth would move a step into another window.
 Real-token probe: for each B at the largest k, alternate the step with every row at k and with
@@ -41,9 +41,11 @@ def _window(window_buckets: Sequence[int], needed: int) -> int:
     raise ValueError(f"no window bucket >= {needed} in {tuple(window_buckets)}")
 
 
-def default_contexts(window_buckets: Sequence[int]) -> tuple[int, ...]:
-    """One context per window: the shortest whose k = 0 step lands in it (1 for the first)."""
-    return tuple([1] + [prev + 1 for prev in window_buckets[:-1]])
+def default_contexts(window_buckets: Sequence[int], k: int = 0) -> tuple[int, ...]:
+    """One context per window: the shortest whose step at this k lands in it (1 for the first).
+    A step at context n needs n + k + 1 cache positions, so ctx = previous window − k; such a
+    step always fits the cache (ctx + k + 1 ≤ its window ≤ max_len)."""
+    return tuple([1] + [max(1, prev - k) for prev in window_buckets[:-1]])
 
 
 def draft_name(engine) -> str:
@@ -75,10 +77,13 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     c = engine.config
-    contexts = tuple(contexts) if contexts is not None else default_contexts(c.window_buckets)
-    for ctx in contexts:
-        if not 1 <= ctx <= c.max_len - c.k_menu[-1] - 1:
-            raise ValueError(f"context {ctx} outside [1, max_len − max k − 1 = {c.max_len - c.k_menu[-1] - 1}]")
+    if contexts is not None:
+        for ctx in contexts:
+            if not 1 <= ctx <= c.max_len - c.k_menu[-1] - 1:
+                raise ValueError(f"context {ctx} outside [1, max_len − max k − 1 = {c.max_len - c.k_menu[-1] - 1}]")
+        contexts_at = {k: tuple(contexts) for k in c.k_menu}
+    else:  # per k, so every (k, W) of the menu is reached even when windows are close together
+        contexts_at = {k: default_contexts(c.window_buckets, k) for k in c.k_menu}
     engine.warmup(progress=progress)
 
     vocab = engine.model_config.vocab_size
@@ -105,11 +110,13 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
         timed(rows, k, window, ctx, None)  # untimed first run
         return statistics.median(timed(rows, k, window, ctx, None) for _ in range(repeats))
 
-    plan = []  # (ctx, B, k, W), each shape once
+    plan = []  # (ctx, B, k, W), each shape once, grouped by context (fewer re-prefills)
     seen = set()
-    for ctx in contexts:
+    for ctx in sorted({ctx for cs in contexts_at.values() for ctx in cs}):
         for b in c.batch_buckets:
             for k in c.k_menu:
+                if ctx not in contexts_at[k]:
+                    continue
                 w = _window(c.window_buckets, ctx + k + 1)
                 if (b, k, w) not in seen:
                     seen.add((b, k, w))
@@ -128,7 +135,7 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
     k_top = c.k_menu[-1]
     if real_token_probe and k_top > 0:
         per_token = []
-        ctx = contexts[0]
+        ctx = contexts_at[k_top][0]
         w = _window(c.window_buckets, ctx + k_top + 1)
         pairs = max(repeats, PROBE_PAIRS)
         for b in tqdm(c.batch_buckets, desc="probing real-token cost", disable=not progress, leave=False):

@@ -563,8 +563,8 @@ class Scheduler:
             return True
         elapsed = self.clock() - t0
         self.steps_run += 1
-        try:
-            self.policy.observe(view, decision, result, elapsed)
+        try:  # the policy's cost model times the step executable: lazy catch-up is not part of it
+            self.policy.observe(view, decision, result, max(0.0, elapsed - result.catch_up_s))
         except Exception as exc:  # noqa: BLE001
             log.exception("policy.observe failed")
             self._fail_all(rows, f"policy {self.policy.name!r} failed to observe a step: {exc!r}")

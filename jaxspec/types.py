@@ -105,11 +105,15 @@ class StepResult:
     tokens:   [B, K+1] new tokens per row (accepted proposals then the bonus/resampled token).
     counts:   [B] how many of `tokens` are real (accepted + 1).
     proposed: [B] how many proposals each row verified.
+    catch_up_calls / catch_up_s: lazy draft catch-up run before this step (calls, wall seconds);
+      part of the step's wall time, but not of the step executable a cost model times.
     """
 
     tokens: np.ndarray
     counts: np.ndarray
     proposed: np.ndarray
+    catch_up_calls: int = 0
+    catch_up_s: float = 0.0
 
     @property
     def accepted(self) -> np.ndarray:

@@ -117,7 +117,17 @@ def test_timing_noise_does_not_invent_a_per_token_price():
 
 
 def test_default_contexts():
-    assert profiler.default_contexts((256, 1024)) == (1, 257)
+    assert profiler.default_contexts((256, 1024)) == (1, 256)
+    assert profiler.default_contexts((256, 1024), k=3) == (1, 253)
+
+
+def test_close_windows_reach_every_shape_and_fit_the_cache():
+    # windows 256 and 259 = max_len: a context of 257 would not fit k = 3; per-k contexts do
+    windows, max_len = (256, 259), 259
+    for k in (0, 1, 3):
+        contexts = profiler.default_contexts(windows, k)
+        assert all(ctx + k + 1 <= max_len for ctx in contexts)
+        assert [profiler._window(windows, ctx + k + 1) for ctx in contexts] == list(windows)
 
 
 def test_cli_run_saves_a_matching_profile(tmp_path, capsys, monkeypatch):
