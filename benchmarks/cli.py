@@ -234,6 +234,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                 policy = None if spec == "none" else make_bench_policy(spec, engine, menu.max_len)
                 sched = _scheduler(engine, policy, tokenizer, s.capacity)
                 before = compile_counter.count()
+                catch_up_before = dataclasses.replace(engine.catch_up_totals)
                 if kind == "rate":
                     samples = run_open_loop(sched, reqs, arrivals)
                 else:
@@ -242,7 +243,9 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                     raise RuntimeError(f"{compile_counter.count() - before} compiles inside a measured run")
                 rec = {"mode": "open" if kind == "rate" else "closed", "workload": wname,
                        "proposer": proposer_name, "draft": draft_label if proposer_name == "draft" else None,
-                       "policy": spec, kind: value, **summarize(samples)}
+                       "policy": spec, kind: value, **summarize(samples),
+                       "catch_up_calls": engine.catch_up_totals.calls - catch_up_before.calls,
+                       "catch_up_s": engine.catch_up_totals.seconds - catch_up_before.seconds}
                 if kind == "rate" and mu is not None:
                     rec["load_fraction"] = value / mu
                     rec["service_rate"] = mu

@@ -93,6 +93,18 @@ def enable_compilation_cache(path: str | None = None) -> str:
     return path
 
 
+@dataclasses.dataclass
+class CatchUpTotals:
+    """Running totals of lazy draft catch-up (calls, wall seconds) since the engine started."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+    def add(self, calls: int, seconds: float) -> None:
+        self.calls += calls
+        self.seconds += seconds
+
+
 class Engine:
     """Owns the device state and the compiled menu for one target (+ proposer)."""
 
@@ -115,6 +127,7 @@ class Engine:
         self._executables: dict[tuple, Callable] = {}
         self.lengths = np.zeros(config.num_slots, np.int64)  # host mirror of committed lengths
         self.proposer_lengths = np.zeros(config.num_slots, np.int64)  # host mirror: what the proposer saw
+        self.catch_up_totals = CatchUpTotals()
         self.state = self._init_state()
 
     # --- state ---------------------------------------------------------------------
@@ -346,6 +359,7 @@ class Engine:
             if catch_up_calls:
                 jax.block_until_ready(self.state)  # time the catch-up apart from the step
                 catch_up_s = time.perf_counter() - started
+                self.catch_up_totals.add(catch_up_calls, catch_up_s)
         slots = np.full((b,), self.scratch_slot, np.int32)
         slots[:n] = slot_ids
         self.state, packed = fn(self._params, self._proposer_params, self.state, slots, caps)
@@ -357,27 +371,28 @@ class Engine:
         self.lengths[list(slot_ids)] += result.counts
         return result
 
-    def catch_up_lag(self, slot: int) -> int:
-        """Committed tokens a slot's proposer must be fed by catch-up calls before it can
-        speculate (0 when it is within what a step feeds itself, or keeps no context)."""
+    def catch_up_plan(self, slot: int) -> list[tuple[int, int, int, int]]:
+        """The catch-up calls a speculating step would first run for this slot: (start, n,
+        chunk, window) each, feeding committed tokens the proposer missed during k = 0 steps in
+        prefill-bucket chunks until only what `propose` feeds itself is left ([] if none)."""
         if not self.proposer.tracks_context:
-            return 0
-        return max(0, int(self.lengths[slot] + 1 - self.proposer_lengths[slot]) - self.proposer.in_step_catch_up)
+            return []
+        c, plan = self.config, []
+        seen, length = int(self.proposer_lengths[slot]), int(self.lengths[slot])
+        while length + 1 - seen > self.proposer.in_step_catch_up:
+            missing = length - seen
+            chunk = smallest_at_least(c.prefill_buckets, min(missing, c.prefill_buckets[-1]), "prefill")
+            window = smallest_at_least(c.window_buckets, min(seen + chunk, c.max_len), "window")
+            n = min(missing, chunk)
+            plan.append((seen, n, chunk, window))
+            seen += n
+        return plan
 
     def _catch_up(self, slot_ids: list[int]) -> int:
-        """Before speculating, feed each slot's proposer the committed tokens it missed during
-        k = 0 steps, in prefill-bucket chunks, until only what `propose` feeds itself is left.
-        Returns the number of catch-up calls."""
-        in_step = self.proposer.in_step_catch_up
+        """Run every slot's catch-up plan; returns the number of calls."""
         calls = 0
         for slot in slot_ids:
-            while self.lengths[slot] + 1 - self.proposer_lengths[slot] > in_step:
-                start = int(self.proposer_lengths[slot])
-                missing = int(self.lengths[slot]) - start
-                chunk = smallest_at_least(self.config.prefill_buckets, min(missing, self.config.prefill_buckets[-1]),
-                                          "prefill")
-                n = min(missing, chunk)
-                window = smallest_at_least(self.config.window_buckets, min(start + chunk, self.config.max_len), "window")
+            for start, n, chunk, window in self.catch_up_plan(slot):
                 fn = self._executable(("catchup", chunk, window))
                 self.state = fn(self._proposer_params, self.state, np.array([slot], np.int32),
                                 np.array([start], np.int32), np.array([n], np.int32))

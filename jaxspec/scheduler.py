@@ -546,6 +546,7 @@ class Scheduler:
             row_max_k=tuple(max(0, min(max_len - 1 - n, l.max_new - len(l.tokens) - 1)) for l, n in zip(rows, lengths)),
             k_menu=tuple(engine.config.k_menu),
             batch_bucket=smallest_at_least(engine.config.batch_buckets, len(rows), "batch"),
+            catch_up_calls=tuple(len(engine.catch_up_plan(s)) for s in slot_ids),
         )
         try:
             decision = self.policy.choose(view)

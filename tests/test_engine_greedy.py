@@ -101,12 +101,23 @@ def test_draft_cache_stays_in_sync_across_k0_steps(tiny_model, references):
     prompts, expected = references
     slots = [0, 1, 2]
     outputs = [[engine.prefill(s, p, SamplingParams())] for s, p in zip(slots, prompts[:3])]
+    catch_ups = 0
     for k in (0, 0, 3, 0, 3, 3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 3, 3):
+        planned = [len(engine.catch_up_plan(s)) for s in slots]
         result = engine.step(slots, k)
         if k:
             assert (result.accepted == k).all()
+            # the step ran exactly the planned catch-up calls and left nothing pending
+            assert result.catch_up_calls == sum(planned)
+            assert (result.catch_up_s > 0) == (sum(planned) > 0)
+            assert all(not engine.catch_up_plan(s) for s in slots)
+            catch_ups += result.catch_up_calls
+        else:
+            assert result.catch_up_calls == 0
         for row, out in enumerate(outputs):
             out += result.row_tokens(row)
+    assert catch_ups >= len(slots)  # the runs of k = 0 steps did need catching up
+    assert engine.catch_up_totals.calls == catch_ups
     draft_lengths = np.asarray(engine.state.proposer.lengths)[slots]
     np.testing.assert_array_equal(draft_lengths, engine.proposer_lengths[slots])  # host mirror is exact
     np.testing.assert_array_equal(draft_lengths + 1, engine.lengths[slots])  # after an all-accepted step the draft lacks d_k

@@ -22,6 +22,8 @@ class BatchView:
     row_max_k:    the largest k each row can take (cache room and remaining max_tokens).
     k_menu:       compiled speculation lengths, increasing, 0 first if present.
     batch_bucket: the padded batch size this step will run at.
+    catch_up_calls: per row, the draft catch-up calls a step with k > 0 would run first (the
+                  draft skipped the tokens committed by k = 0 steps); () when not tracked.
     """
 
     request_ids: tuple[Hashable, ...]
@@ -29,6 +31,7 @@ class BatchView:
     row_max_k: tuple[int, ...]
     k_menu: tuple[int, ...]
     batch_bucket: int
+    catch_up_calls: tuple[int, ...] = ()
 
     @property
     def batch_size(self) -> int:

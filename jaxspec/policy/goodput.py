@@ -18,6 +18,17 @@ row never increase with j, so the greedy order is valid and the first refusal en
 c_real = 0 (a purely padded executable) every row with a useful token takes k_i = min(K, cap_i):
 per-row k only pays off when verification is priced per real token.
 
+Draft catch-up: a draft skips the tokens committed by k = 0 steps and is fed them (catch-up calls,
+`BatchView.catch_up_calls`) before the next k > 0 step. That restart cost buys speculation for
+the row's next tokens, so each k > 0 option is charged it amortised over them:
+
+    T'(k) = T(k) + Σ_i n_i · c_call · E_i(k_i) / H_i,   H_i = min(tokens row i still wants, horizon)
+
+where n_i is row i's pending calls and c_call the measured seconds per call (an EMA of what the
+engine reports; 0 until a catch-up has been seen). Without it, a policy near break-even flips
+between k = 0 and k > 0 and pays a catch-up at every flip; with it, it keeps its choice unless
+the gain covers the restart.
+
 Feasibility: an option needs a window for max(context) + k + 1 (the engine's capacity check);
 options above every row's cap are skipped (they only add padding), except the smallest menu value.
 """
@@ -44,11 +55,15 @@ class GoodputConfig:
       lookup found no continuation) counts the first missing one as a rejection, so α_i estimates
       the chance the *requested* token is accepted, which is what E_i(k) must predict; False
       conditions on what was proposed.
-    log_size: records kept in the decision log."""
+    log_size: records kept in the decision log.
+    catch_up_horizon: tokens a draft catch-up is amortised over at most (see the module doc).
+    catch_up_ema: weight of the newest measurement in the seconds-per-catch-up-call estimate."""
 
     positional: bool = False
     short_proposal_is_rejection: bool = True
     log_size: int = 4096
+    catch_up_horizon: int = 32
+    catch_up_ema: float = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +92,7 @@ class GoodputPolicy(Policy):
         self.config = config
         self.log = DecisionLog(config.log_size)
         self._last: tuple[Decision, Option] | None = None
+        self.catch_up_call_s = 0.0  # measured seconds per draft catch-up call (EMA)
 
     # --- prediction ------------------------------------------------------------------
 
@@ -114,12 +130,25 @@ class GoodputPolicy(Policy):
         r = sum(ki + 1 for ki in row_k)
         return Option(k, row_k, tokens, self.cost.step_time(view.batch_bucket, k, window, r))
 
+    def catch_up_seconds(self, view: BatchView, e: np.ndarray, row_k: tuple[int, ...]) -> float:
+        """The share of pending draft catch-up a k > 0 step with these row k_i carries (module doc)."""
+        if not view.catch_up_calls or not any(view.catch_up_calls) or self.catch_up_call_s <= 0:
+            return 0.0
+        total = 0.0
+        for i, calls in enumerate(view.catch_up_calls):
+            if calls:
+                horizon = max(1, min(view.row_max_k[i] + 1, self.config.catch_up_horizon))
+                total += calls * self.catch_up_call_s * e[i, row_k[i]] / horizon
+        return total
+
     def options(self, view: BatchView) -> list[Option]:
-        """Every feasible menu option, evaluated."""
+        """Every feasible menu option, evaluated (k > 0 ones with their catch-up share)."""
         ks = self.candidates(view)
         e = self.row_expectations(view, ks[-1])
         longest = max(view.context_lens)
-        return [self.allocate(view, e, k, self.cost.window(longest, k)) for k in ks]
+        opts = [self.allocate(view, e, k, self.cost.window(longest, k)) for k in ks]
+        return [o if o.k == 0 else dataclasses.replace(o, seconds=o.seconds + self.catch_up_seconds(view, e, o.row_k))
+                for o in opts]
 
     # --- the contract ----------------------------------------------------------------
 
@@ -142,6 +171,10 @@ class GoodputPolicy(Policy):
                 raise ValueError(f"row {i} verified {proposed} proposals but was allowed {requested[i]}")
             trials = requested[i] if self.config.short_proposal_is_rejection else proposed
             self.acceptance.observe(rid, accepted, trials)
+        if result.catch_up_calls:
+            per_call = result.catch_up_s / result.catch_up_calls
+            w = self.config.catch_up_ema if self.catch_up_call_s > 0 else 1.0
+            self.catch_up_call_s = (1 - w) * self.catch_up_call_s + w * per_call
         if elapsed_s > 0:  # a step the clock could not time (elapsed 0) carries no timing evidence
             window = self.cost.window(max(view.context_lens), decision.k)
             self.cost.observe(view.batch_bucket, decision.k, window, elapsed_s,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -293,3 +294,41 @@ def test_decision_log_is_bounded_and_summarised():
 def test_empty_view_is_an_error():
     with pytest.raises(ValueError):
         policy([]).choose(BatchView((), (), (), MENU_K, 1))
+
+
+# --- draft catch-up ---------------------------------------------------------------------------
+
+def _with_catch_up(v: BatchView, calls) -> BatchView:
+    return dataclasses.replace(v, catch_up_calls=tuple(calls))
+
+
+def test_pending_catch_up_is_charged_to_speculation_amortised():
+    alphas = [0.45] * 4
+    p = policy(alphas)
+    v = view(4, caps=(8,) * 4)
+    speculating = p.choose(v)
+    assert speculating.k > 0  # near break-even, but worth it with a synced draft
+    g0, gk = speculating.predicted_goodput[0], speculating.predicted_goodput[speculating.k]
+    # a catch-up call as long as a whole step, pending for every row: restarting no longer pays
+    p.catch_up_call_s = 10e-3
+    stalled = p.choose(_with_catch_up(v, [1] * 4))
+    assert stalled.k == 0
+    assert stalled.predicted_goodput[0] == pytest.approx(g0)  # k = 0 runs no catch-up
+    # charged amortised: T'(k) = T(k) + Σ_i c·E_i(k)/H_i with H_i = min(caps + 1, horizon) = 9
+    e = float(expected_tokens(np.array(0.45), np.array(speculating.k)))
+    t_k = 4 * e / gk
+    assert stalled.predicted_goodput[speculating.k] == pytest.approx(4 * e / (t_k + 4 * 10e-3 * e / 9))
+    # nothing pending: the catch-up estimate changes nothing
+    assert p.choose(_with_catch_up(v, [0] * 4)).k == speculating.k
+
+
+def test_catch_up_cost_is_learned_from_what_the_engine_reports():
+    p = policy([0.5])
+    v = _with_catch_up(view(1), [2])
+    d = p.choose(v)
+    caught_up = StepResult(tokens=np.zeros((1, d.k + 1), np.int32), counts=np.array([1]),
+                           proposed=np.array([d.k]), catch_up_calls=2, catch_up_s=8e-3)
+    p.observe(v, d, caught_up, elapsed_s=20e-3)
+    assert p.catch_up_call_s == pytest.approx(4e-3)  # the first measurement is taken whole
+    p.observe(v, d, dataclasses.replace(caught_up, catch_up_s=16e-3), elapsed_s=20e-3)
+    assert p.catch_up_call_s == pytest.approx(0.7 * 4e-3 + 0.3 * 8e-3)
