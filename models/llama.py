@@ -12,6 +12,7 @@ Dimension names used in einsums:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable
 
 import jax
@@ -69,17 +70,24 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 ServingParams = tuple  # (nnx.State with empty stacked placeholders, per-layer weights from `layer_weights`)
 
 
+_SERVING_SPLITS: "weakref.WeakKeyDictionary[Llama, tuple]" = weakref.WeakKeyDictionary()
+
+
 def serving_split(model: "Llama") -> tuple[nnx.GraphDef, ServingParams]:
     """Split a model for the serving path: graphdef and (params, per-layer weights).
 
-    The stacked layer weights are replaced by empty placeholders so every weight lives once,
-    in the per-layer arrays that `forward_cached(layers=)` reads in place. Call outside jit.
+    The stacked layer weights are replaced by empty placeholders in the params, and the
+    per-layer arrays that `forward_cached(layers=)` reads in place are built once per model
+    object: engines over the same model (a plain and a speculative one) share them. Call
+    outside jit, and do not mutate the model's weights afterwards.
     """
-    graphdef, params = nnx.split(model)
-    layers = model.layer_weights()
-    for name in model.stacked_weight_names():
-        params[name] = params[name].replace(jnp.zeros((0,), params[name].value.dtype))
-    return graphdef, (params, layers)
+    if model not in _SERVING_SPLITS:
+        graphdef, params = nnx.split(model)
+        layers = model.layer_weights()
+        for name in model.stacked_weight_names():
+            params[name] = params[name].replace(jnp.zeros((0,), params[name].value.dtype))
+        _SERVING_SPLITS[model] = (graphdef, (params, layers))
+    return _SERVING_SPLITS[model]
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
