@@ -124,6 +124,7 @@ class AcceptanceTracker:
         self._global = _DiscountedCounts(config.initial_alpha, np.full(p, config.initial_alpha),
                                          config.prior_strength)
         self._requests: dict[Hashable, _DiscountedCounts] = {}
+        self.global_trials = 0  # trials observed so far (undiscounted): the evidence behind α̂_g
 
     # --- updates ---------------------------------------------------------------------
 
@@ -144,6 +145,7 @@ class AcceptanceTracker:
                 self.global_alpha(), self.global_position_alphas(), c.prior_strength)
         counts.add(accepted, proposed, c.request_decay)
         self._global.add(accepted, proposed, c.global_decay)
+        self.global_trials += truncated_counts(accepted, proposed)[1]
 
     def forget(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)

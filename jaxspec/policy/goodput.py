@@ -29,6 +29,11 @@ engine reports; 0 until a catch-up has been seen). Without it, a policy near bre
 between k = 0 and k > 0 and pays a catch-up at every flip; with it, it keeps its choice unless
 the gain covers the restart.
 
+Cold start: before the proposer has `explore_trials` verified trials, its rate is the uninformed
+prior, and a prior under break-even would keep k = 0 forever, so nothing is ever measured (an
+expensive draft at prior 0.5 does exactly that). Until then every row is evaluated at α = 1:
+speculation is tried for a few steps and the measured rate takes over.
+
 Feasibility: an option needs a window for max(context) + k + 1 (the engine's capacity check);
 options above every row's cap are skipped (they only add padding), except the smallest menu value.
 """
@@ -57,13 +62,16 @@ class GoodputConfig:
       conditions on what was proposed.
     log_size: records kept in the decision log.
     catch_up_horizon: tokens a draft catch-up is amortised over at most (see the module doc).
-    catch_up_ema: weight of the newest measurement in the seconds-per-catch-up-call estimate."""
+    catch_up_ema: weight of the newest measurement in the seconds-per-catch-up-call estimate.
+    explore_trials: verified trials the proposer needs before its measured rate is trusted
+      (until then rows are evaluated at α = 1, see "Cold start"); 0 = no exploration."""
 
     positional: bool = False
     short_proposal_is_rejection: bool = True
     log_size: int = 4096
     catch_up_horizon: int = 32
     catch_up_ema: float = 0.3
+    explore_trials: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +108,8 @@ class GoodputPolicy(Policy):
         """[n, k_max+1] E_i(j) for j = 0..k_max."""
         ids = view.request_ids
         j = np.arange(k_max + 1)
+        if self.acceptance.global_trials < self.config.explore_trials:  # cold start: try speculating
+            return np.broadcast_to(j + 1.0, (len(ids), k_max + 1)).copy()
         if not self.config.positional:
             alphas = np.array([self.acceptance.alpha(r) for r in ids])
             return expected_tokens(alphas[:, None], j[None, :])

@@ -20,6 +20,8 @@ from tests.policy.sim import MENU_K, allowed_rows, cost_model, linear_cost, run,
 class Pinned:
     """An acceptance source with fixed per-request α (unit tests of the choice alone)."""
 
+    global_trials = 10**9  # pinned rates are trusted: no cold-start exploration
+
     def __init__(self, alphas):
         self.alphas = dict(alphas)
 
@@ -224,7 +226,7 @@ def test_online_cost_drift_changes_the_choice():
 
 def test_observe_updates_acceptance_cost_and_log():
     fn = linear_cost()
-    p = GoodputPolicy(cost_model(fn, ema_weight=0.1), AcceptanceTracker())
+    p = GoodputPolicy(cost_model(fn, ema_weight=0.1), AcceptanceTracker(), GoodputConfig(explore_trials=0))
     v = view(2, ids=["a", "b"], caps=(8, 2))
     d = p.choose(v)
     res = simulate_result([1.0, 0.0], allowed_rows(d, 2), np.random.default_rng(0))
@@ -332,3 +334,33 @@ def test_catch_up_cost_is_learned_from_what_the_engine_reports():
     assert p.catch_up_call_s == pytest.approx(4e-3)  # the first measurement is taken whole
     p.observe(v, d, dataclasses.replace(caught_up, catch_up_s=16e-3), elapsed_s=20e-3)
     assert p.catch_up_call_s == pytest.approx(0.7 * 4e-3 + 0.3 * 8e-3)
+
+
+# --- cold start -------------------------------------------------------------------------------
+
+def test_cold_start_tries_speculation_then_trusts_the_measured_rate():
+    # an expensive draft: at the uninformed prior 0.5 speculating loses, at the true 0.95 it wins
+    costly = linear_cost(step=10e-3, draft_step=6e-3)
+    tracker = AcceptanceTracker()
+    p = GoodputPolicy(cost_model(costly), tracker, GoodputConfig(explore_trials=8))
+    never = GoodputPolicy(cost_model(costly), AcceptanceTracker(), GoodputConfig(explore_trials=0))
+    assert never.choose(view(1)).k == 0  # without exploration nothing would ever be measured
+    rng = np.random.default_rng(0)
+    ks = []
+    for step in range(20):
+        v = view(1)
+        d = p.choose(v)
+        ks.append(d.k)
+        p.observe(v, d, simulate_result([0.95], allowed_rows(d, 1), rng), elapsed_s=0.0)
+    assert ks[0] > 0 and tracker.global_trials >= 8
+    assert all(k > 0 for k in ks[5:])  # measured 0.95: it keeps speculating
+
+    bad = AcceptanceTracker()
+    p = GoodputPolicy(cost_model(costly), bad, GoodputConfig(explore_trials=8))
+    ks = []
+    for step in range(20):
+        v = view(1)
+        d = p.choose(v)
+        ks.append(d.k)
+        p.observe(v, d, simulate_result([0.05], allowed_rows(d, 1), rng), elapsed_s=0.0)
+    assert ks[0] > 0 and ks[-10:] == [0] * 10  # measured 0.05: it stops after the probe
