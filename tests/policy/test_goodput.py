@@ -338,29 +338,27 @@ def test_catch_up_cost_is_learned_from_what_the_engine_reports():
 
 # --- cold start -------------------------------------------------------------------------------
 
+def _run_cold(true_alpha: float, cost, steps: int = 20) -> tuple[list[int], AcceptanceTracker]:
+    """A fresh goodput policy (uninformed prior) over a proposer right with prob. true_alpha."""
+    tracker = AcceptanceTracker()
+    p = GoodputPolicy(cost_model(cost), tracker, GoodputConfig(explore_trials=8))
+    rng = np.random.default_rng(0)
+    ks = []
+    for _ in range(steps):
+        v = view(1)
+        d = p.choose(v)
+        ks.append(d.k)
+        p.observe(v, d, simulate_result([true_alpha], allowed_rows(d, 1), rng), elapsed_s=0.0)
+    return ks, tracker
+
+
 def test_cold_start_tries_speculation_then_trusts_the_measured_rate():
     # an expensive draft: at the uninformed prior 0.5 speculating loses, at the true 0.95 it wins
     costly = linear_cost(step=10e-3, draft_step=6e-3)
-    tracker = AcceptanceTracker()
-    p = GoodputPolicy(cost_model(costly), tracker, GoodputConfig(explore_trials=8))
     never = GoodputPolicy(cost_model(costly), AcceptanceTracker(), GoodputConfig(explore_trials=0))
     assert never.choose(view(1)).k == 0  # without exploration nothing would ever be measured
-    rng = np.random.default_rng(0)
-    ks = []
-    for step in range(20):
-        v = view(1)
-        d = p.choose(v)
-        ks.append(d.k)
-        p.observe(v, d, simulate_result([0.95], allowed_rows(d, 1), rng), elapsed_s=0.0)
+    ks, tracker = _run_cold(0.95, costly)
     assert ks[0] > 0 and tracker.global_trials >= 8
     assert all(k > 0 for k in ks[5:])  # measured 0.95: it keeps speculating
-
-    bad = AcceptanceTracker()
-    p = GoodputPolicy(cost_model(costly), bad, GoodputConfig(explore_trials=8))
-    ks = []
-    for step in range(20):
-        v = view(1)
-        d = p.choose(v)
-        ks.append(d.k)
-        p.observe(v, d, simulate_result([0.05], allowed_rows(d, 1), rng), elapsed_s=0.0)
+    ks, _ = _run_cold(0.05, costly)
     assert ks[0] > 0 and ks[-10:] == [0] * 10  # measured 0.05: it stops after the probe
