@@ -142,13 +142,10 @@ class GoodputPolicy(Policy):
 
     def catch_up_seconds(self, view: BatchView, e: np.ndarray, row_k: tuple[int, ...]) -> float:
         """The share of pending draft catch-up a k > 0 step with these row k_i carries (module doc)."""
-        if not view.catch_up_calls or not any(view.catch_up_calls) or self.catch_up_call_s <= 0:
-            return 0.0
         total = 0.0
-        for i, calls in enumerate(view.catch_up_calls):
-            if calls:
-                horizon = max(1, min(view.row_max_k[i] + 1, self.config.catch_up_horizon))
-                total += calls * self.catch_up_call_s * e[i, row_k[i]] / horizon
+        for i, calls in enumerate(view.catch_up_calls):  # () when the proposer keeps no context
+            horizon = max(1, min(view.row_max_k[i] + 1, self.config.catch_up_horizon))
+            total += calls * self.catch_up_call_s * e[i, row_k[i]] / horizon
         return total
 
     def options(self, view: BatchView) -> list[Option]:
