@@ -1,7 +1,8 @@
 """Temperature / top-k / top-p warping with per-row traced parameters.
 
-`warp` turns logits into the distribution a request actually samples from. The same function
-is applied to the target (p) and the draft (q) so rejection sampling stays exact.
+`warp` turns logits into the distribution a request actually samples from: temperature, then
+top-k, renormalise, then top-p (the order of Hugging Face transformers' warpers and vLLM). The
+same function is applied to the target (p) and the draft (q) so rejection sampling stays exact.
 Greedy rows (temperature == 0) get a point mass on the argmax.
 """
 
@@ -21,25 +22,36 @@ def _expand(x: jax.Array, ndim: int) -> jax.Array:
 
 
 def _truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask logits outside each row's top-k and top-p nucleus. logits [B, ..., V]."""
+    """Mask logits outside each row's top-k, then outside the top-p nucleus of what is left.
+
+    top-k keeps the top_k largest logits (0: all); their probabilities are renormalised, and top-p
+    keeps the shortest descending prefix of them whose mass reaches top_p (>= 1: all). The top token
+    is always kept, so a top_p the device sees as 0 (a tiny value rounded or flushed to zero in
+    float32) samples the top token, as any top_p below its probability does, never the whole
+    vocabulary. Logits tied with the last kept one are kept. logits [B, ..., V] -> [B, ..., V].
+    """
     v = logits.shape[-1]
-    # sorted_logits: [B, ..., V] descending
-    sorted_logits = -jnp.sort(-logits, axis=-1)
+    sorted_logits = -jnp.sort(-logits, axis=-1)  # [B, ..., V] descending
+    rank = jnp.arange(v, dtype=jnp.int32)  # [V], position in sorted order
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)  # [B]
-    k_index = jnp.broadcast_to(_expand(k - 1, logits.ndim), logits.shape[:-1] + (1,))
-    kth = jnp.take_along_axis(sorted_logits, k_index.astype(jnp.int32), axis=-1)  # [B, ..., 1]
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # keep sorted token j if the mass before it is < top_p (always keeps the first)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # [B, ..., V]
-    keep_sorted = mass_before < _expand(top_p, logits.ndim)
-    n_keep = jnp.sum(keep_sorted, axis=-1, keepdims=True)  # [B, ..., 1]
-    pth = jnp.take_along_axis(sorted_logits, n_keep - 1, axis=-1)  # [B, ..., 1]
-    threshold = jnp.maximum(kth, pth)
+    in_top_k = rank < _expand(k, logits.ndim)  # [B, ..., V]
+    # probabilities renormalised over the top-k: [B, ..., V], 0 past rank k
+    sorted_probs = jax.nn.softmax(jnp.where(in_top_k, sorted_logits, -jnp.inf), axis=-1)
+    cumulative = jnp.cumsum(sorted_probs, axis=-1)  # [B, ..., V], non-decreasing
+    mass_before = jnp.concatenate([jnp.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], axis=-1)
+    p = _expand(top_p, logits.ndim)
+    # a descending prefix: rank 0 always, then while the mass before it is < top_p
+    keep = in_top_k & ((rank == 0) | (mass_before < p) | (p >= 1.0))  # [B, ..., V]
+    n_keep = jnp.sum(keep, axis=-1, keepdims=True, dtype=jnp.int32)  # [B, ..., 1], >= 1
+    threshold = jnp.take_along_axis(sorted_logits, n_keep - 1, axis=-1)  # [B, ..., 1]
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
 def warp(logits: jax.Array, params: RowParams) -> jax.Array:
-    """Row-wise sampling distribution. logits [B, ..., V] (fp32) -> probs [B, ..., V]."""
+    """Row-wise sampling distribution: temperature, top-k, renormalise, top-p (see `_truncate`).
+
+    logits [B, ..., V] (fp32) -> probs [B, ..., V].
+    """
     temperature = _expand(params.temperature, logits.ndim)
     scaled = logits / jnp.maximum(temperature, _MIN_TEMPERATURE)
     needs_truncation = jnp.any((params.top_k > 0) | (params.top_p < 1.0))

@@ -27,10 +27,13 @@ class SamplingParams:
         """Raise ValueError with a clear message if any value is out of range."""
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # the device holds top_p as float32, where a tiny one becomes 0: valid, it keeps the top token
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_k >= 2**31:  # the device holds it as int32
+            raise ValueError(f"top_k must be < 2^31, got {self.top_k}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
         if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
