@@ -2,7 +2,7 @@
 
 Layout (one array per layer for keys, one for values)::
 
-    k[l]: [S+1, M, Hkv, Dh]    for each of the L layers: S serving slots + 1 scratch slot, M = max_len
+    k[l]: [S+1, M, G, H]    for each of the L layers: S serving slots + 1 scratch slot, M = max_len
                                  ┌──────────── M positions ────────────┐
     slot 0   │ t0 t1 t2 t3 ... t(len0-1) │ stale / empty ............ │
     slot 1   │ t0 t1 ... t(len1-1)      │ stale ..................... │
@@ -35,8 +35,8 @@ from models.config import ModelConfig
 class KVCache:
     """Keys/values for every slot, plus each slot's committed length."""
 
-    k: tuple[jax.Array, ...]  # L x [S+1, M, Hkv, Dh]
-    v: tuple[jax.Array, ...]  # L x [S+1, M, Hkv, Dh]
+    k: tuple[jax.Array, ...]  # L x [S+1, M, G, H]
+    v: tuple[jax.Array, ...]  # L x [S+1, M, G, H]
     lengths: jax.Array  # [S+1] int32
 
     @property

@@ -1,12 +1,14 @@
 """Llama-family decoder in flax.nnx: Llama, SmolLM2, Qwen2 (qkv bias), Mistral.
 
-Layer weights are stored stacked along a leading layer axis and the forward runs
-`jax.lax.scan` over them: one traced layer instead of L keeps compile time flat in depth,
-which matters because the engine AOT-compiles a whole menu of shapes.
+Weights are stored stacked along a leading layer axis. Serving runs the layers unrolled over
+per-layer arrays (`layer_weights`, `serving_split`: each matmul reads its weights in place); a
+`jax.lax.scan` over the stacked weights remains for training and tests (fast to compile).
 
-Dimension names used in einsums:
-  B batch rows   T new tokens   W attended window   D model width   F FFN width
-  N query heads  K kv heads     G = N // K (query heads per kv head)   H head dim   V vocab
+Dimension names (docs/design.md, "Dimension names"):
+  B batch rows   T new tokens per row   S slots (+1 scratch)   M cache positions (max_len)
+  W attended window   D model width   F FFN width   E a fused projection's output width
+  N query heads   G kv heads   R = N // G query heads per kv head   H head dim   V vocab
+  J positions whose logits are kept   L layers
 """
 
 from __future__ import annotations
@@ -111,19 +113,19 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention.
 
-    q: [B, T, N, H]; k, v: [B, W, K, H]; mask: [B, T, W] bool -> [B, T, N, H].
+    q: [B, T, N, H]; k, v: [B, W, G, H]; mask: [B, T, W] bool -> [B, T, N, H].
     """
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
-    # q: [B, T, N, H] -> [B, T, K, G, H]
+    # q: [B, T, N, H] -> [B, T, G, R, H]
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    # scores: [B, K, G, T, W]
-    scores = jnp.einsum("BTKGH,BWKH->BKGTW", q, k, preferred_element_type=jnp.float32)
+    # scores: [B, G, R, T, W]
+    scores = jnp.einsum("BTGRH,BWGH->BGRTW", q, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / np.sqrt(h))
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, W]
-    # out: [B, T, K, G, H] -> [B, T, N, H]
-    out = jnp.einsum("BKGTW,BWKH->BTKGH", probs, v)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, G, R, T, W]
+    # out: [B, T, G, R, H] -> [B, T, N, H]
+    out = jnp.einsum("BGRTW,BWGH->BTGRH", probs, v)
     return out.reshape(b, t, n, h)
 
 
@@ -153,7 +155,7 @@ class Llama(nnx.Module):
         self.config = config
         c = config
         dtype = jnp.dtype(c.dtype)
-        L, D, F, N, K, H = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
+        L, D, F, N, G, H = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
                             c.num_kv_heads, c.head_dim)
 
         def normal(shape, fan_in):
@@ -162,13 +164,13 @@ class Llama(nnx.Module):
         self.embed = nnx.Param(normal((c.vocab_size, D), 1.0))
         self.attn_norm = nnx.Param(jnp.ones((L, D), dtype))
         self.wq = nnx.Param(normal((L, D, N, H), D))
-        self.wk = nnx.Param(normal((L, D, K, H), D))
-        self.wv = nnx.Param(normal((L, D, K, H), D))
+        self.wk = nnx.Param(normal((L, D, G, H), D))
+        self.wv = nnx.Param(normal((L, D, G, H), D))
         self.wo = nnx.Param(normal((L, N, H, D), N * H))
         if c.qkv_bias:
             self.bq = nnx.Param(normal((L, N, H), 10.0))
-            self.bk = nnx.Param(normal((L, K, H), 10.0))
-            self.bv = nnx.Param(normal((L, K, H), 10.0))
+            self.bk = nnx.Param(normal((L, G, H), 10.0))
+            self.bv = nnx.Param(normal((L, G, H), 10.0))
         self.mlp_norm = nnx.Param(jnp.ones((L, D), dtype))
         self.w_gate = nnx.Param(normal((L, D, F), D))
         self.w_up = nnx.Param(normal((L, D, F), D))
@@ -216,7 +218,7 @@ class Llama(nnx.Module):
             qkv = [w["wq"].reshape(c.hidden_size, -1), w["wk"].reshape(c.hidden_size, -1),
                    w["wv"].reshape(c.hidden_size, -1)]
             fused = {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"], "wo": w["wo"], "w_down": w["w_down"],
-                     "wqkv": jnp.concatenate(qkv, axis=1),  # [D, (N + 2K) H]
+                     "wqkv": jnp.concatenate(qkv, axis=1),  # [D, (N + 2G) H]
                      "w_gate_up": jnp.concatenate([w["w_gate"], w["w_up"]], axis=1)}  # [D, 2F]
             if c.qkv_bias:
                 fused["bqkv"] = jnp.concatenate([w["bq"].reshape(-1), w["bk"].reshape(-1), w["bv"].reshape(-1)])
@@ -230,17 +232,17 @@ class Llama(nnx.Module):
         h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)  # [B, T, D]
         if "wqkv" in p:  # fused serving layout (see layer_weights)
             b, t, _ = h.shape
-            qkv = jnp.einsum("BTD,DE->BTE", h, p["wqkv"])  # [B, T, (N + 2K) H]
+            qkv = jnp.einsum("BTD,DE->BTE", h, p["wqkv"])  # [B, T, (N + 2G) H]
             if c.qkv_bias:
                 qkv = qkv + p["bqkv"]
             nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
             q = qkv[..., :nq].reshape(b, t, c.num_heads, c.head_dim)  # [B, T, N, H]
-            k = qkv[..., nq:nq + nk].reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, H]
-            v = qkv[..., nq + nk:].reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, K, H]
+            k = qkv[..., nq:nq + nk].reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, G, H]
+            v = qkv[..., nq + nk:].reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, G, H]
         else:
             q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])  # [B, T, N, H]
-            k = jnp.einsum("BTD,DKH->BTKH", h, p["wk"])  # [B, T, K, H]
-            v = jnp.einsum("BTD,DKH->BTKH", h, p["wv"])  # [B, T, K, H]
+            k = jnp.einsum("BTD,DGH->BTGH", h, p["wk"])  # [B, T, G, H]
+            v = jnp.einsum("BTD,DGH->BTGH", h, p["wv"])  # [B, T, G, H]
             if c.qkv_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         q, k = rope(q, *rope_cs), rope(k, *rope_cs)
@@ -248,7 +250,7 @@ class Llama(nnx.Module):
         x = x + jnp.einsum("BTNH,NHD->BTD", out, p["wo"])  # [B, T, D]
         h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
         if "w_gate_up" in p:
-            gate, up = jnp.split(jnp.einsum("BTD,DG->BTG", h, p["w_gate_up"]), 2, axis=-1)  # 2 x [B, T, F]
+            gate, up = jnp.split(jnp.einsum("BTD,DE->BTE", h, p["w_gate_up"]), 2, axis=-1)  # 2 x [B, T, F]
         else:
             gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"])  # [B, T, F]
             up = jnp.einsum("BTD,DF->BTF", h, p["w_up"])  # [B, T, F]
@@ -319,10 +321,10 @@ class Llama(nnx.Module):
         def attend(index, q, k, v, kv):
             ks, vs = kv
             # write this layer's new k/v, then read the window from the same (in-place) buffer
-            # ck[slot_b, write_pos[b, t]] = k[b, t]: [B, T, K, H] updates into [S+1, M, K, H]
+            # ck[slot_b, write_pos[b, t]] = k[b, t]: [B, T, G, H] updates into [S+1, M, G, H]
             ck = ks[index].at[slots, write_pos].set(k.astype(ks[index].dtype), mode="drop")
             cv = vs[index].at[slots, write_pos].set(v.astype(vs[index].dtype), mode="drop")
-            kw, vw = ck[inputs.slot_ids, :window], cv[inputs.slot_ids, :window]  # [B, W, K, H]
+            kw, vw = ck[inputs.slot_ids, :window], cv[inputs.slot_ids, :window]  # [B, W, G, H]
             ks = ks[:index] + (ck,) + ks[index + 1:]
             vs = vs[:index] + (cv,) + vs[index + 1:]
             return attention(q, kw, vw, mask), (ks, vs)
@@ -340,15 +342,15 @@ class Llama(nnx.Module):
 
 def _hf_layer_tensors(config: ModelConfig, sd: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
     c = config
-    N, K, H, D = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+    N, G, H, D = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
     pre = f"model.layers.{i}."
     get = lambda name: np.asarray(sd[pre + name], np.float32)  # noqa: E731
     out = {
         "attn_norm": get("input_layernorm.weight"),
         # HF [out, in] -> ours [in, heads, head_dim]
         "wq": get("self_attn.q_proj.weight").T.reshape(D, N, H),
-        "wk": get("self_attn.k_proj.weight").T.reshape(D, K, H),
-        "wv": get("self_attn.v_proj.weight").T.reshape(D, K, H),
+        "wk": get("self_attn.k_proj.weight").T.reshape(D, G, H),
+        "wv": get("self_attn.v_proj.weight").T.reshape(D, G, H),
         "wo": get("self_attn.o_proj.weight").T.reshape(N, H, D),
         "mlp_norm": get("post_attention_layernorm.weight"),
         "w_gate": get("mlp.gate_proj.weight").T,
@@ -357,8 +359,8 @@ def _hf_layer_tensors(config: ModelConfig, sd: dict[str, np.ndarray], i: int) ->
     }
     if c.qkv_bias:
         out["bq"] = get("self_attn.q_proj.bias").reshape(N, H)
-        out["bk"] = get("self_attn.k_proj.bias").reshape(K, H)
-        out["bv"] = get("self_attn.v_proj.bias").reshape(K, H)
+        out["bk"] = get("self_attn.k_proj.bias").reshape(G, H)
+        out["bv"] = get("self_attn.v_proj.bias").reshape(G, H)
     return out
 
 
@@ -386,7 +388,7 @@ def from_hf_state_dict(config: ModelConfig, sd: dict[str, np.ndarray]) -> Llama:
 def to_hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
     """Export parameters in Hugging Face naming and [out, in] layout (float32 numpy)."""
     c = model.config
-    N, K, H, D = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+    N, G, H, D = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
     arr = lambda name: np.asarray(getattr(model, name).value, np.float32)  # noqa: E731
     sd = {"model.embed_tokens.weight": arr("embed"), "model.norm.weight": arr("final_norm")}
     if not c.tie_embeddings:
@@ -397,16 +399,16 @@ def to_hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
         sd[pre + "input_layernorm.weight"] = stacked["attn_norm"][i]
         sd[pre + "post_attention_layernorm.weight"] = stacked["mlp_norm"][i]
         sd[pre + "self_attn.q_proj.weight"] = stacked["wq"][i].reshape(D, N * H).T
-        sd[pre + "self_attn.k_proj.weight"] = stacked["wk"][i].reshape(D, K * H).T
-        sd[pre + "self_attn.v_proj.weight"] = stacked["wv"][i].reshape(D, K * H).T
+        sd[pre + "self_attn.k_proj.weight"] = stacked["wk"][i].reshape(D, G * H).T
+        sd[pre + "self_attn.v_proj.weight"] = stacked["wv"][i].reshape(D, G * H).T
         sd[pre + "self_attn.o_proj.weight"] = stacked["wo"][i].reshape(N * H, D).T
         sd[pre + "mlp.gate_proj.weight"] = stacked["w_gate"][i].T
         sd[pre + "mlp.up_proj.weight"] = stacked["w_up"][i].T
         sd[pre + "mlp.down_proj.weight"] = stacked["w_down"][i].T
         if c.qkv_bias:
             sd[pre + "self_attn.q_proj.bias"] = stacked["bq"][i].reshape(N * H)
-            sd[pre + "self_attn.k_proj.bias"] = stacked["bk"][i].reshape(K * H)
-            sd[pre + "self_attn.v_proj.bias"] = stacked["bv"][i].reshape(K * H)
+            sd[pre + "self_attn.k_proj.bias"] = stacked["bk"][i].reshape(G * H)
+            sd[pre + "self_attn.v_proj.bias"] = stacked["bv"][i].reshape(G * H)
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}
 
 
