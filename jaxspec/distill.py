@@ -144,20 +144,20 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 def kl_loss(draft: DraftLlama, tokens, mask, top_ids, top_lp, full_to_kept):
     """Mean over masked positions of KL(target || draft) restricted to the target's top-K.
 
-    tokens, mask: [B, S]; top_ids: [B, S, K] target top-K ids; top_lp: [B, S, K] their log-probs;
+    tokens, mask: [B, T]; top_ids: [B, T, K] target top-K ids; top_lp: [B, T, K] their log-probs;
     full_to_kept: [V] index into the draft's kept vocabulary or -1. Target mass on tokens the draft
     cannot propose is left out (it cannot be matched). Returns (loss, top-1 agreement).
     """
-    h = draft.hidden_states(tokens)  # [B, S, D]
+    h = draft.hidden_states(tokens)  # [B, T, D]
     logq = jax.nn.log_softmax(draft.kept_logits(h), axis=-1)  # [B, S, Vk]
-    kid = full_to_kept[top_ids]  # [B, S, K]
+    kid = full_to_kept[top_ids]  # [B, T, K]
     lp = top_lp.astype(jnp.float32)
-    valid = (kid >= 0) & jnp.isfinite(lp) & mask[..., None]  # [B, S, K]
-    lq = jnp.take_along_axis(logq, jnp.maximum(kid, 0), axis=-1)  # [B, S, K]
+    valid = (kid >= 0) & jnp.isfinite(lp) & mask[..., None]  # [B, T, K]
+    lq = jnp.take_along_axis(logq, jnp.maximum(kid, 0), axis=-1)  # [B, T, K]
     lp_safe = jnp.where(valid, lp, 0.0)
-    kl = jnp.sum(jnp.where(valid, jnp.exp(lp_safe) * (lp_safe - lq), 0.0), axis=-1)  # [B, S]
+    kl = jnp.sum(jnp.where(valid, jnp.exp(lp_safe) * (lp_safe - lq), 0.0), axis=-1)  # [B, T]
     n = jnp.maximum(jnp.sum(mask), 1)
-    agree = (jnp.argmax(logq, axis=-1) == kid[..., 0]) & mask  # [B, S]
+    agree = (jnp.argmax(logq, axis=-1) == kid[..., 0]) & mask  # [B, T]
     return jnp.sum(kl) / n, jnp.sum(agree) / n
 
 

@@ -6,10 +6,10 @@ shards (`shard_00000.npz`, ...): a run that is cut short resumes at the next sha
 Each shard holds R rows of one batch, every row a sequence  prompt (len P_b) + greedy
 continuation (N tokens) padded to S = P + N:
 
-    tokens [R, S]  int32     the sequence (prompt, then the target's continuation)
-    mask   [R, S]  bool      position t carries a target distribution for token t+1
-    top_ids [R, S, K] int32  the target's top-K next-token ids after token t
-    top_lp  [R, S, K] f16    their log-probabilities (normalised over the full vocabulary)
+    tokens [B, T]  int32     the sequence (prompt, then the target's continuation)
+    mask   [B, T]  bool      position t carries a target distribution for token t+1
+    top_ids [B, T, K] int32  the target's top-K next-token ids after token t
+    top_lp  [B, T, K] f16    their log-probabilities (normalised over the full vocabulary)
 
 Held-out split: a conversation is held out iff crc32(id) % 10 == 0 (training never sees those).
 """
@@ -131,14 +131,14 @@ class TargetGenerator:
             return ids.astype(jnp.int32), vals.astype(jnp.float16)
 
         def run(params, tokens, lens):
-            # tokens [R, P] right-padded prompts, lens [R]
+            # tokens [B, C] right-padded prompts, lens [B]
             model = nnx.merge(graphdef, params)
             r = tokens.shape[0]
             slots = jnp.arange(r, dtype=jnp.int32)
             cache = init_cache(config, r, max_len)
             logits, cache = model.forward_cached(chain_inputs(tokens, slots, jnp.zeros((r,), jnp.int32)),
-                                                 cache, max_len, logits_at=(lens - 1)[:, None])  # [R, 1, V]
-            first = jnp.argmax(logits[:, 0, :], axis=-1).astype(jnp.int32)  # [R]
+                                                 cache, max_len, logits_at=(lens - 1)[:, None])  # [B, 1, V]
+            first = jnp.argmax(logits[:, 0, :], axis=-1).astype(jnp.int32)  # [B]
 
             def step(carry, i):
                 cache, token = carry
@@ -147,11 +147,11 @@ class TargetGenerator:
 
             # greedy decoding only (cheap); the labels come from one cache-free forward below
             _, gen = jax.lax.scan(step, (cache, first), jnp.arange(gen_len, dtype=jnp.int32))
-            gen = jnp.moveaxis(gen, 0, 1)  # [R, N] tokens at positions lens + i
+            gen = jnp.moveaxis(gen, 0, 1)  # [B, T] tokens at positions lens + i
             seq = jnp.zeros((r, max_len), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
-            pos = lens[:, None] + jnp.arange(gen_len, dtype=jnp.int32)[None, :]  # [R, N]
-            seq = seq.at[slots[:, None], pos].set(gen)  # [R, P + N]
-            ids, lp = topk(model(seq))  # [R, S, K] the target's next-token top-K after every token
+            pos = lens[:, None] + jnp.arange(gen_len, dtype=jnp.int32)[None, :]  # [B, T]
+            seq = seq.at[slots[:, None], pos].set(gen)  # [B, M] prompt, then the continuation
+            ids, lp = topk(model(seq))  # [B, T, K] the target's next-token top-K after every token
             return seq, gen, ids, lp
 
         self._run = jax.jit(run)
@@ -281,7 +281,7 @@ def build_teacher_forced_shards(target: Llama, sequences: list[list[int]], out_d
 
     @jax.jit
     def label(params, tokens):
-        logits = nnx.merge(graphdef, params)(tokens)  # [R, S, V]
+        logits = nnx.merge(graphdef, params)(tokens)  # [B, T, V]
         logp = jax.nn.log_softmax(logits, axis=-1)
         vals, ids = jax.lax.top_k(logp, top_k)
         return ids.astype(jnp.int32), vals.astype(jnp.float16)
