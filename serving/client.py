@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from serving.auth import TOKEN_ENV, resolve_token
 from serving.proto.jaxspec.v1 import generation_pb2 as pb
 from serving.proto.jaxspec.v1 import generation_pb2_grpc as pb_grpc
 
@@ -26,13 +27,15 @@ FINISH_NAMES = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_LENGTH: "length", 
 
 
 class GenerationClient:
-    """A channel to one server. tls_ca: PEM bytes or a file path (TLS on); auth_token: bearer token."""
+    """A channel to one server. tls_ca: PEM bytes or a file path (TLS on); auth_token: bearer token;
+    max_message_bytes: the largest response message accepted. Requests are not limited here: the
+    server answers one over its limit with INVALID_ARGUMENT."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, auth_token: str | None = None,
                  tls_ca: bytes | str | Path | None = None, tls_server_name: str | None = None,
                  max_message_bytes: int = 1 << 20):
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", -1)]
         if tls_server_name is not None:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         if tls_ca is not None:
@@ -98,7 +101,10 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, help="with --chat: a system message first")
     parser.add_argument("--model", default="", help="model name (default: the server's)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    parser.add_argument("--auth-token", default=None, help="bearer token, if the server requires one")
+    parser.add_argument("--auth-token", default=None, help="bearer token, if the server requires one (every local "
+                        f"user sees argv in `ps`: prefer --auth-token-file or ${TOKEN_ENV})")
+    parser.add_argument("--auth-token-file", default=None, metavar="FILE",
+                        help=f"read the bearer token from FILE; without either flag, ${TOKEN_ENV} is used when set")
     parser.add_argument("--tls-ca", default=None, help="PEM CA certificate: connect with TLS")
     parser.add_argument("--tls-server-name", default=None, help="expected name in the server certificate")
     parser.add_argument("--stats", action="store_true", help="print the request's statistics to stderr")
@@ -117,7 +123,12 @@ def run_client(args: argparse.Namespace, out=None, err=None) -> int:
             return 2
         messages, prompt = None, args.prompt
     try:
-        with GenerationClient(f"{args.host}:{args.port}", auth_token=args.auth_token, tls_ca=args.tls_ca,
+        token = resolve_token(args.auth_token, args.auth_token_file)
+    except (ValueError, OSError) as exc:
+        print(f"jaxspec client: {exc}", file=err)
+        return 2
+    try:
+        with GenerationClient(f"{args.host}:{args.port}", auth_token=token, tls_ca=args.tls_ca,
                               tls_server_name=args.tls_server_name) as client:
             last = None
             for message in client.generate(prompt, messages=messages, max_tokens=args.max_tokens,

@@ -21,6 +21,7 @@ from jaxspec import compile_counter
 from jaxspec.policy.base import BatchView, Decision, Policy
 from jaxspec.scheduler import FinishReason, RequestResult, Scheduler
 from jaxspec.types import StepResult
+from serving.proto.jaxspec.v1 import generation_pb2 as pb
 
 PREFIX = "jaxspec"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -29,6 +30,17 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 GOODPUT_BUCKETS = tuple(10.0 ** (e / 2) for e in range(0, 13))  # 1 .. 1e6 tokens/s, ×√10 apart
 NORMAL_FINISH = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP)
+_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
+METHOD_LABELS = {f"/{_SERVICE.full_name}/{m.name}": m.name for m in _SERVICE.methods}  # full path -> label
+UNKNOWN_METHOD = "unknown"
+
+
+def method_label(method: str) -> str:
+    """The `method` label of a call: 'Generate' for '/jaxspec.v1.Generation/Generate' (or 'Generate'),
+    'unknown' for any other name, so callers cannot grow the label set."""
+    if method in METHOD_LABELS:
+        return METHOD_LABELS[method]
+    return method if method in METHOD_LABELS.values() else UNKNOWN_METHOD
 
 
 class ServingMetrics:
@@ -39,11 +51,17 @@ class ServingMetrics:
         r = self.registry
         self.positions = positions if positions is not None else max(k_menu)
         self.requests = Counter(
-            f"{PREFIX}_requests", "Finished Generate and ListModels calls that reached the handlers or the auth "
-            "check, by method and gRPC status code name (a call the client cancelled or abandoned counts as "
-            "CANCELLED, one that ended at or within 50 ms of its deadline as DEADLINE_EXCEEDED; calls gRPC itself "
-            "refused, e.g. over the message size limit, are not counted).",
+            f"{PREFIX}_requests", "Finished Generate and ListModels calls that reached the handlers, the auth "
+            "check or the request-message checks, by method and gRPC status code name (a call the client "
+            "cancelled or abandoned, or that sent no request message within request_timeout_s, counts as "
+            "CANCELLED, one that ended at or within 50 ms of its deadline as DEADLINE_EXCEEDED). Calls to any "
+            "other method (reflection, names no service has) that were refused count as method=\"unknown\"; "
+            "calls gRPC itself refused, e.g. over its transport message limit, are not counted.",
             ["method", "code"], registry=r)
+        self.request_timeouts = Counter(
+            f"{PREFIX}_request_timeouts", "Calls (health checks included) cancelled because their request "
+            "message did not arrive within request_timeout_s of the server awaiting it (half-open calls).",
+            registry=r)
         self.queue_depth = Gauge(
             f"{PREFIX}_queue_depth", "Requests accepted by the scheduler that wait for a free slot (not yet "
             "admitted), read at scrape time.", registry=r)
@@ -132,7 +150,11 @@ class ServingMetrics:
     # --- handlers ----------------------------------------------------------------------
 
     def record_rpc(self, method: str, code: str) -> None:
-        self.requests.labels(method, code).inc()
+        """One finished call; `method` is a label or a full method path (others count as 'unknown')."""
+        self.requests.labels(method_label(method), code).inc()
+
+    def record_request_timeout(self) -> None:
+        self.request_timeouts.inc()
 
     def record_tokens(self, n: int) -> None:
         if n:
@@ -250,4 +272,4 @@ class MeteredPolicy(Policy):
         self.inner.forget(request_id)
 
 
-__all__ = ["ServingMetrics", "MeteredPolicy"]
+__all__ = ["ServingMetrics", "MeteredPolicy", "method_label"]

@@ -57,6 +57,10 @@ def test_config_overrides_and_errors(tmp_path):
         ServeConfig(max_tokens_limit=8)
     with pytest.raises(ValueError, match="port"):
         dataclasses.replace(ServeConfig(), port=70000)
+    with pytest.raises(ValueError, match="request_timeout_s must be > 0"):
+        ServeConfig(request_timeout_s=0)
+    with pytest.raises(ValueError, match="max_pending_calls must be >= 1"):
+        ServeConfig(max_pending_calls=0)
 
 
 def test_parse_names_the_field_with_bad_utf8():

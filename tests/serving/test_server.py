@@ -207,7 +207,10 @@ def test_invalid_utf8_and_oversized_requests(served):
                                                "field 'messages[1].content' is not valid UTF-8")
     error = _raw_generate(server, b"\x0a\x05ab")  # truncated
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed GenerateRequest" in error.details()
-    big = pb.GenerateRequest(prompt="y" * (2 << 20)).SerializeToString()  # > max_message_bytes (1 MiB)
+    over = pb.GenerateRequest(prompt="y" * (3 << 19)).SerializeToString()  # 1.5 MiB > max_message_bytes (1 MiB)
+    error = _raw_generate(server, over, limit=4 << 20)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "(max_message_bytes)" in error.details()
+    big = pb.GenerateRequest(prompt="y" * (2 << 20)).SerializeToString()  # > twice that: gRPC's transport limit
     assert _raw_generate(server, big, limit=4 << 20).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # the well-formed bytes of a good request work through the same raw path
     with grpc.insecure_channel(f"{HOST}:{server.port}") as channel:

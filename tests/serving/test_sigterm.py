@@ -1,5 +1,6 @@
 """SIGTERM drains a real `jaxspec serve` process (--model tiny --tokenizer ascii): health goes
-NOT_SERVING, new calls are refused, in-flight streams finish, the process exits 0."""
+NOT_SERVING, new calls are refused, in-flight streams finish, the process exits 0; a second SIGTERM
+drops what is left and the process exits 1."""
 
 from __future__ import annotations
 
@@ -65,6 +66,40 @@ def test_sigterm_drains_in_flight_streams_and_exits_0():
         client.close()
         assert proc.wait(timeout=30) == 0, "".join(lines)
         assert any("jaxspec serve: stopped (drained)" in l for l in lines), "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_second_sigterm_drops_in_flight_streams_and_exits_1():
+    """A second SIGTERM cancels the streams still running: they end UNAVAILABLE, the process says how
+    many requests it dropped and exits 1 (not "drained", not 0)."""
+    proc, lines = start_process("--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--proposer", "none",
+                                "--policy", "none", "--host", HOST, "--port", "0")
+    try:
+        wait_until(lambda: any("jaxspec serve: tiny on" in l for l in lines) or proc.poll() is not None,
+                   timeout=120, what="the server to start")
+        assert proc.poll() is None, "".join(lines)
+        port = int(re.search(r"jaxspec serve: tiny on [\d.]+:(\d+)", "".join(lines)).group(1))
+        client = GenerationClient(f"{HOST}:{port}")
+        # 100 tokens: >= 5 s of steps after the first message, far past the two signals below
+        calls = [client.generate("drop me", max_tokens=100, ignore_eos=True, timeout=60) for _ in range(3)]
+        assert all(next(call).token_ids for call in calls)
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: client.health() == "NOT_SERVING", timeout=5, what="health NOT_SERVING")
+        proc.send_signal(signal.SIGTERM)
+        for call in calls:
+            try:
+                list(call)
+                raise AssertionError("a stream finished although the second SIGTERM cancelled it")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        client.close()
+        assert proc.wait(timeout=30) == 1, "".join(lines)
+        text = "".join(lines)
+        assert "jaxspec serve: stopped: 3 in-flight requests dropped (exit 1)" in text, text
+        assert "drained" not in text, text
     finally:
         if proc.poll() is None:
             proc.kill()

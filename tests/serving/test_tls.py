@@ -10,6 +10,7 @@ import pytest
 
 from serving import client as client_cli
 from serving.client import GenerationClient
+from serving.grpc_server import GenerationServer, add_serve_arguments, run_serve, serve_config_from_args
 from tests.fake_tokenizer import ascii_tokenizer
 from tests.serving.conftest import HOST, self_signed_cert, start_server, tiny_engine
 
@@ -51,3 +52,19 @@ def test_client_cli_over_tls(tls_server):
     out = io.StringIO()
     assert client_cli.run_client(args, out, io.StringIO()) == 0
     assert out.getvalue().endswith("\n")
+
+
+def test_key_not_matching_its_certificate_is_a_clear_error(tiny_model, tmp_path, capsys):
+    """Checked before binding: the message names the mismatch (gRPC alone says only 'cannot bind'), exit 2."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    cert, _ = self_signed_cert(tmp_path / "a")
+    _, other_key = self_signed_cert(tmp_path / "b")  # another pair's key
+    engine = tiny_engine(tiny_model, slots=1)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--host", HOST, "--port", "0", "--tls-cert", str(cert), "--tls-key", str(other_key)])
+    with pytest.raises(ValueError, match=f"TLS key {other_key} does not match the certificate {cert}"):
+        GenerationServer(engine, ascii_tokenizer(), None, serve_config_from_args(args)).start()
+    assert run_serve(args, build=lambda config: GenerationServer(engine, ascii_tokenizer(), None, config)) == 2
+    assert f"TLS key {other_key} does not match the certificate {cert}" in capsys.readouterr().err

@@ -27,6 +27,15 @@ if _version_not_supported:
 
 class GenerationStub:
     """Text generation with a speculative-decoding engine.
+
+    Every call but the standard health service needs the metadata `authorization: Bearer <token>`
+    when the server has a token (the scheme in any letter case); otherwise it ends UNAUTHENTICATED,
+    decided before its request message is read. A request message must arrive within the server's
+    request_timeout_s (default 5 s) of the call starting, else the server cancels the call (the
+    client sees CANCELLED). A request message over the server's max_message_bytes (default 1 MiB)
+    is answered INVALID_ARGUMENT naming the limit; gRPC itself refuses one over twice that limit
+    with RESOURCE_EXHAUSTED "Received message larger than max", which retrying cannot fix. Values a
+    client sent are echoed in status messages cut to 200 characters.
     """
 
     def __init__(self, channel):
@@ -49,21 +58,34 @@ class GenerationStub:
 
 class GenerationServicer:
     """Text generation with a speculative-decoding engine.
+
+    Every call but the standard health service needs the metadata `authorization: Bearer <token>`
+    when the server has a token (the scheme in any letter case); otherwise it ends UNAUTHENTICATED,
+    decided before its request message is read. A request message must arrive within the server's
+    request_timeout_s (default 5 s) of the call starting, else the server cancels the call (the
+    client sees CANCELLED). A request message over the server's max_message_bytes (default 1 MiB)
+    is answered INVALID_ARGUMENT naming the limit; gRPC itself refuses one over twice that limit
+    with RESOURCE_EXHAUSTED "Received message larger than max", which retrying cannot fix. Values a
+    client sent are echoed in status messages cut to 200 characters.
     """
 
     def Generate(self, request, context):
         """Streams the new text of one request: one message per engine step that produced text or
         tokens (a step may accept several tokens); the last message carries `finish_reason` and
-        `stats`. Errors: INVALID_ARGUMENT (bad request, with the reason), RESOURCE_EXHAUSTED (the
-        queue is full: retry later), UNAVAILABLE (warming up or shutting down), UNAUTHENTICATED
-        (missing or wrong bearer token), DEADLINE_EXCEEDED, INTERNAL (the request failed).
+        `stats`. Errors: INVALID_ARGUMENT (bad request, with the reason; never worth retrying),
+        RESOURCE_EXHAUSTED (the queue is full, or too many calls are waiting for their request
+        message: retry later; except gRPC's message-size refusal above), UNAVAILABLE (warming up or
+        shutting down, or the server stopped before the request finished), UNAUTHENTICATED (missing
+        or wrong bearer token), CANCELLED (no request message within request_timeout_s),
+        DEADLINE_EXCEEDED, INTERNAL (the request failed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """The models this server serves (one per server today).
+        """The models this server serves (one per server today). Errors: INVALID_ARGUMENT (a malformed
+        request message), UNAUTHENTICATED, CANCELLED, RESOURCE_EXHAUSTED as for Generate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +114,15 @@ def add_GenerationServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Generation:
     """Text generation with a speculative-decoding engine.
+
+    Every call but the standard health service needs the metadata `authorization: Bearer <token>`
+    when the server has a token (the scheme in any letter case); otherwise it ends UNAUTHENTICATED,
+    decided before its request message is read. A request message must arrive within the server's
+    request_timeout_s (default 5 s) of the call starting, else the server cancels the call (the
+    client sees CANCELLED). A request message over the server's max_message_bytes (default 1 MiB)
+    is answered INVALID_ARGUMENT naming the limit; gRPC itself refuses one over twice that limit
+    with RESOURCE_EXHAUSTED "Received message larger than max", which retrying cannot fix. Values a
+    client sent are echoed in status messages cut to 200 characters.
     """
 
     @staticmethod
