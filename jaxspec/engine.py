@@ -3,6 +3,9 @@
 Static (one executable each): batch bucket B, speculation length k, attention window W,
 prefill chunk C. Traced: slot ids, lengths, per-row k caps, sampling parameters, seeds.
 `warmup()` compiles the whole menu ahead of time; a shape outside it raises `MenuMissError`.
+A step runs at the shape `jaxspec.policy.shape.step_shape` gives (the smallest menu k ≥ the
+largest row cap, the window of max_i(len_i + cap_i) + 1): the function the policies price steps
+and file their timings with.
 
 One step, all inside one compiled call::
 
@@ -26,6 +29,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxspec import sampling
+from jaxspec.policy.shape import step_shape
 from jaxspec.proposers.base import NoProposer, Proposer, StepContext, empty_proposals
 from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, StepResult
 from jaxspec.verify import RESIDUAL_KEY, verify
@@ -341,19 +345,24 @@ class Engine:
         return first
 
     def step(self, slot_ids: list[int], k: int, row_k: list[int] | None = None) -> StepResult:
-        """One speculative step (k = 0: plain decoding) for the given slots."""
-        n = len(slot_ids)
-        b = smallest_at_least(self.config.batch_buckets, n, "batch")
-        caps = np.zeros((b,), np.int32)
-        caps[:n] = k if row_k is None else np.minimum(row_k, k)
-        # each row writes pending + its own proposals; positions past a row's cap are dropped
-        needed = int((self.lengths[list(slot_ids)] + caps[:n]).max()) + 1
-        if needed > self.config.max_len:
-            raise CapacityError(f"a slot needs {needed} cache positions > max_len {self.config.max_len}")
-        window = smallest_at_least(self.config.window_buckets, needed, "window")
-        fn = self._executable(("step", b, k, window))
+        """One speculative step (k = 0: plain decoding) for the given slots.
+
+        Row i verifies at most min(k, row_k[i]) proposals. The step runs at the shape
+        `step_shape` gives: the smallest menu k ≥ every row's cap (rows all capped at 0 run the
+        k = 0 executable, without draft catch-up) and the window of each row's own length + cap."""
+        n, c = len(slot_ids), self.config
+        b = smallest_at_least(c.batch_buckets, n, "batch")
+        if k not in c.k_menu:
+            raise MenuMissError(f"k={k} is not in the compiled menu k={c.k_menu}")
+        shape = step_shape(self.lengths[list(slot_ids)], row_k, k, c.k_menu, c.window_buckets)
+        if shape.needed > c.max_len:
+            raise CapacityError(f"a slot needs {shape.needed} cache positions > max_len {c.max_len}")
+        k_run = shape.k
+        caps = np.zeros((b,), np.int32)  # padding rows (scratch slot) propose nothing
+        caps[:n] = shape.caps
+        fn = self._executable(("step", b, k_run, shape.window))
         catch_up_calls, catch_up_s = 0, 0.0
-        if k > 0 and self.proposer.tracks_context:
+        if k_run > 0 and self.proposer.tracks_context:
             started = time.perf_counter()
             catch_up_calls = self._catch_up(slot_ids)
             if catch_up_calls:
@@ -364,10 +373,11 @@ class Engine:
         slots[:n] = slot_ids
         self.state, packed = fn(self._params, self._proposer_params, self.state, slots, caps)
         packed = np.asarray(packed)[:n]  # the one host copy of this step
-        result = StepResult(tokens=packed[:, : k + 1], counts=packed[:, k + 1], proposed=packed[:, k + 2],
+        result = StepResult(tokens=packed[:, : k_run + 1], counts=packed[:, k_run + 1], proposed=packed[:, k_run + 2],
                             catch_up_calls=catch_up_calls, catch_up_s=catch_up_s)
-        if k > 0 and self.proposer.tracks_context:  # mirrors the proposer's commit
-            self.proposer_lengths[list(slot_ids)] = self.lengths[list(slot_ids)] + 1 + np.minimum(result.accepted, k - 1)
+        if k_run > 0 and self.proposer.tracks_context:  # mirrors the proposer's commit
+            self.proposer_lengths[list(slot_ids)] = (self.lengths[list(slot_ids)] + 1
+                                                     + np.minimum(result.accepted, k_run - 1))
         self.lengths[list(slot_ids)] += result.counts
         return result
 

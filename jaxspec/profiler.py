@@ -4,11 +4,14 @@ For each attention window W and k (one representative context: the shortest whos
 lands in W, since compute depends only on the static shape), each batch bucket B and each k:
 prefill B dummy slots, run one untimed step, then `repeats` timed steps, and keep the median
 seconds. Slots are re-prefilled whenever growth would move a step into another window.
-Real-token probe: for each B at the largest k, alternate the step with every row at k and with
-every row capped at 0 (row_k = 0), d_j = T_full − T_capped per pair;
-c_B = median_j d_j / (B·k) if at least 3/4 of the d_j > 0 (a consistent saving), else 0 (a padded
-executable costs the same either way and timing noise must not invent a per-token price);
-c_real = median_B c_B seconds per verified token (see policy/cost_model.py). `warmup()` runs first, so nothing compiles while timing. Profiling
+Real-token probe: for each B ≥ 2 at the largest k, alternate the step with every row at k and
+with every row but the first capped at 0 (row_k = [k, 0, ...]: the same executable, since a
+step runs at the smallest menu k ≥ its largest row cap), d_j = T_full − T_capped per pair;
+c_B = median_j d_j / ((B−1)·k) if at least 3/4 of the d_j > 0 (a consistent saving), else 0 (a
+padded executable costs the same either way and timing noise must not invent a per-token price);
+c_real = median_B c_B seconds per verified token (0 with no B ≥ 2; see policy/cost_model.py).
+Every timed step is checked to run at the shape it is recorded under (`step_shape`, the function
+the engine runs steps with). `warmup()` runs first, so nothing compiles while timing. Profiling
 uses slots 0..max(B)−1 with dummy prompts and frees them at the end: run it before requests are
 admitted (at start-up), never on a serving engine.
 
@@ -29,16 +32,10 @@ from typing import Callable, Sequence
 from tqdm import tqdm
 
 from jaxspec.policy.cost_model import CostEntry, CostProfile, ProfileKey, default_profile_dir
+from jaxspec.policy.shape import step_shape
 
 PROBE_PAIRS = 8  # minimum full/capped pairs per batch bucket in the real-token probe
 SIGNIFICANT_SHARE = 0.75  # share of pairs that must show a saving for c_real to count
-
-
-def _window(window_buckets: Sequence[int], needed: int) -> int:
-    for w in window_buckets:
-        if w >= needed:
-            return w
-    raise ValueError(f"no window bucket >= {needed} in {tuple(window_buckets)}")
 
 
 def default_contexts(window_buckets: Sequence[int], k: int = 0) -> tuple[int, ...]:
@@ -94,14 +91,21 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
         # a short repeating pattern: prompt lookup finds continuations, like in real text
         return [int(2 + (i % 7) % max(1, vocab - 2)) for i in range(ctx)]
 
-    def ensure_window(rows: list[int], k: int, window: int, ctx: int) -> None:
-        needed = int(engine.lengths[rows].max()) + k + 1  # growth may also overrun the largest window
-        if needed > c.max_len or _window(c.window_buckets, needed) != window:
+    def shape_of(rows: list[int], k: int, row_k: list[int] | None):
+        return step_shape(engine.lengths[rows], row_k, k, c.k_menu, c.window_buckets)
+
+    def ensure_window(rows: list[int], k: int, window: int, ctx: int, row_k: list[int] | None) -> None:
+        shape = shape_of(rows, k, row_k)  # growth may also overrun the largest window
+        if shape.needed > c.max_len or shape.window != window:
             for s in rows:
                 engine.prefill(s, prompt(ctx), params, seed=0)
 
     def timed(rows: list[int], k: int, window: int, ctx: int, row_k: list[int] | None) -> float:
-        ensure_window(rows, k, window, ctx)
+        ensure_window(rows, k, window, ctx, row_k)
+        shape = shape_of(rows, k, row_k)
+        if (shape.k, shape.window) != (k, window):
+            raise RuntimeError(f"profiling (k={k}, W={window}) would run the step at (k={shape.k}, "
+                               f"W={shape.window})")
         t0 = clock()
         engine.step(rows, k, row_k)
         return clock() - t0
@@ -117,7 +121,7 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
             for k in c.k_menu:
                 if ctx not in contexts_at[k]:
                     continue
-                w = _window(c.window_buckets, ctx + k + 1)
+                w = step_shape([ctx], None, k, c.k_menu, c.window_buckets).window
                 if (b, k, w) not in seen:
                     seen.add((b, k, w))
                     plan.append((ctx, b, k, w))
@@ -133,18 +137,19 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
 
     real_token_s = 0.0
     k_top = c.k_menu[-1]
-    if real_token_probe and k_top > 0:
+    probed = [b for b in c.batch_buckets if b >= 2]  # one row keeps k_top, so the executable stays
+    if real_token_probe and k_top > 0 and probed:
         per_token = []
         ctx = contexts_at[k_top][0]
-        w = _window(c.window_buckets, ctx + k_top + 1)
+        w = step_shape([ctx], None, k_top, c.k_menu, c.window_buckets).window
         pairs = max(repeats, PROBE_PAIRS)
-        for b in tqdm(c.batch_buckets, desc="probing real-token cost", disable=not progress, leave=False):
-            rows = slots[:b]
-            timed(rows, k_top, w, ctx, [0] * b)  # untimed first run
+        for b in tqdm(probed, desc="probing real-token cost", disable=not progress, leave=False):
+            rows, capped = slots[:b], [k_top] + [0] * (b - 1)
+            timed(rows, k_top, w, ctx, capped)  # untimed first run
             # alternate full and capped steps so drift hits both alike; d_j = T_full − T_capped
-            diffs = [timed(rows, k_top, w, ctx, None) - timed(rows, k_top, w, ctx, [0] * b) for _ in range(pairs)]
+            diffs = [timed(rows, k_top, w, ctx, None) - timed(rows, k_top, w, ctx, capped) for _ in range(pairs)]
             significant = sum(d > 0 for d in diffs) >= SIGNIFICANT_SHARE * len(diffs)
-            per_token.append(statistics.median(diffs) / (b * k_top) if significant else 0.0)
+            per_token.append(statistics.median(diffs) / ((b - 1) * k_top) if significant else 0.0)
         real_token_s = statistics.median(per_token)
 
     for s in slots:  # free the slots the dummy prompts used

@@ -72,3 +72,80 @@ def test_no_compiles_over_200_steps_with_changing_batches_and_k(engine):
                 engine.free(slot)
                 del live[slot]
     assert compile_counter.count() == before
+
+
+class _Spy:
+    """Records the executable keys an engine looks up (steps and catch-up calls)."""
+
+    def __init__(self, engine, monkeypatch):
+        self.keys, lookup = [], engine._executable
+        monkeypatch.setattr(engine, "_executable", lambda key: self.keys.append(key) or lookup(key))
+
+    def take(self):
+        keys, self.keys = self.keys, []
+        return keys
+
+
+def _prefilled(engine, prompts, slots):
+    for slot in range(CONFIG.num_slots):
+        engine.free(slot)
+    return [[engine.prefill(s, p, SamplingParams())] for s, p in zip(slots, prompts)]
+
+
+def test_rows_all_capped_at_0_run_plain_decoding_without_catch_up(engine, tiny_model, monkeypatch):
+    from tests.conftest import reference_greedy
+    prompts = random_prompts((9, 14), TINY.vocab_size, seed=6)
+    slots = [0, 1]
+    outs = _prefilled(engine, prompts, slots)
+    spy = _Spy(engine, monkeypatch)
+    for _ in range(3):  # k = 0 steps: the draft falls behind
+        result = engine.step(slots, 0)
+        for row, out in enumerate(outs):
+            out += result.row_tokens(row)
+    assert all(engine.catch_up_plan(s) for s in slots)  # a speculating step would catch up first
+    spy.take()
+    seen = engine.proposer_lengths[slots].copy()
+    result = engine.step(slots, 3, row_k=[0, 0])
+    assert spy.take() == [("step", 4, 0, 64)]  # the k = 0 executable, no catch-up call
+    assert result.catch_up_calls == 0 and result.tokens.shape == (2, 1)
+    np.testing.assert_array_equal(engine.proposer_lengths[slots], seen)  # the draft was left alone
+    for row, out in enumerate(outs):
+        out += result.row_tokens(row)
+    # the largest cap decides: caps (1, 0) at k = 3 run the smallest menu k >= 1, k = 2
+    result = engine.step(slots, 3, row_k=[1, 0])
+    assert [key for key in spy.take() if key[0] == "step"] == [("step", 4, 2, 64)]
+    assert result.tokens.shape == (2, 3) and list(result.proposed) == [1, 0]
+    for row, out in enumerate(outs):
+        out += result.row_tokens(row)
+    for out, prompt in zip(outs, prompts):
+        assert out == reference_greedy(tiny_model, prompt, len(out))
+
+
+def test_engine_and_goodput_agree_on_the_shape_of_every_step(engine, monkeypatch):
+    """The policy prices and files each step under the shape the engine runs (one function picks
+    it): a long row capped at 0 does not push a short row's k = 3 step into the larger window."""
+    from jaxspec.policy.acceptance import AcceptanceTracker
+    from jaxspec.policy.base import BatchView
+    from jaxspec.policy.cost_model import CostModel
+    from jaxspec.policy.goodput import GoodputPolicy
+    from tests.policy.sim import linear_cost
+
+    prompts = random_prompts((61, 8), TINY.vocab_size, seed=7)
+    slots = [0, 1]
+    _prefilled(engine, prompts, slots)
+    cost = CostModel.from_function(linear_cost(), CONFIG.batch_buckets, CONFIG.k_menu, CONFIG.window_buckets)
+    policy = GoodputPolicy(cost, AcceptanceTracker())  # cold start: it speculates
+    filed, observe = [], cost.observe
+    monkeypatch.setattr(cost, "observe", lambda b, k, w, *a, **kw: filed.append(("step", b, k, w)) or observe(
+        b, k, w, *a, **kw))
+    spy = _Spy(engine, monkeypatch)
+    for _ in range(4):
+        lens = tuple(int(n) for n in engine.lengths[slots])
+        view = BatchView(request_ids=("long", "short"), context_lens=lens, row_max_k=(0, CONFIG.max_k),
+                         k_menu=CONFIG.k_menu, batch_bucket=4)
+        decision = policy.choose(view)
+        result = engine.step(slots, decision.k, None if decision.row_k is None else list(decision.row_k))
+        policy.observe(view, decision, result, elapsed_s=1e-3)
+    ran = [key for key in spy.take() if key[0] == "step"]
+    assert ran == filed
+    assert ran[0] == ("step", 4, 3, 64)  # 61 + 3 + 1 > 64, but the long row verifies nothing

@@ -13,10 +13,27 @@ Three layers, each deterministic (no clock is read here):
                  B·(k+1)·W/1024 (attention over the window)
 
    It prices shapes the profile lacks and splits a step into T_propose + T_verify.
-3. **Online correction**: observed step time / model time, clipped to [1/c, c], averaged by an EMA
-   of weight w ≤ 0.1 per shape (B, k, W). Shapes never observed keep their profiled time: a ratio
-   learned at one shape is not carried to others (a slower draft at k = 5 says nothing about
-   k = 0); a shape is corrected once the policy runs it.
+3. **Online correction**, in log space. An observed step of shape s gives ρ = log(observed /
+   model time), clipped to [−log c, log c]. All evidence decays by (1 − w) per observation;
+   shape s keeps its evidence n_s and the mean m_s of its ρ. Two corrections shared by every
+   shape, the device factor d and a draft slope b on the shape's propose share π_s (the fit's
+   T_propose / T at s; 0 at k = 0), and a residual per shape come from the ridge least squares
+
+       min_{d,b}  Σ_s a_s·(m_s − d − b·π_s)² + τ₀·d² + λ·b²,     a_s = n_s·τ / (n_s + τ)
+       r_s = n_s / (n_s + τ) · (m_s − d − b·π_s)
+       T_s = exp(d + b·π_s + r_s) · model time                  (exponent clipped to ±log c)
+
+   A device that runs uniformly faster or slower than its profile moves d, which corrects every
+   shape, also those the policy has not run lately: a per-shape correction alone makes the
+   shapes the policy runs look cheap and locks it onto them (onto k = 0 on a device faster than
+   its profile). A draft that is slower or faster relative to the target than profiled shows as a
+   trend of ρ with π and moves b, so it is not charged to k = 0. While the evidence cannot tell
+   the two apart (one shape observed) the priors (τ₀ ≪ λ/π²) attribute it to the device. A
+   shape's own deviation is its residual, trusted as its evidence outgrows τ; a shape's weight
+   a_s in (d, b) saturates at τ, so the shape the policy runs most does not drown the others.
+
+The shape of a step (its padded k and attention window from per-row lengths and caps) is
+decided by `jaxspec.policy.shape.step_shape`, the function the engine runs steps with.
 
 Per-row pricing. A padded step of shape (B, k) verifies B·(k+1) token slots; a row capped at
 k_i < k uses k_i + 1 of them. With real tokens r = Σ_i (k_i + 1) (live rows only),
@@ -24,7 +41,7 @@ k_i < k uses k_i + 1 of them. With real tokens r = Σ_i (k_i + 1) (live rows onl
     T(B, k, W, r) = factor · (T_pad(B, k, W) − c_real · (B·(k+1) − r))
 
 where c_real ≥ 0 (`real_token_s`) is the cost of one verified token that only real tokens pay
-(0 on a purely padded executable; the profiler measures it by capping every row at 0).
+(0 on a purely padded executable; the profiler measures it by capping all rows but one at 0).
 """
 
 from __future__ import annotations
@@ -36,12 +53,15 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jaxspec.policy.shape import StepShape, step_shape
+
 FORMAT = "jaxspec-cost-profile"
 VERSION = 1
+_FORGOTTEN = 1e-6  # evidence below this is dropped (a shape not observed for ~14/w steps)
 FEATURES = ("draft_steps", "draft_tokens", "step", "verify_tokens", "attention")
 _PROPOSE_FEATURES = 2  # the first two features are the propose part
 
@@ -217,26 +237,41 @@ class LinearCostFit:
 
 @dataclasses.dataclass(frozen=True)
 class OnlineCostConfig:
-    """Online correction: EMA weight w (≤ 0.1) and the clip c of each observed/model ratio."""
+    """Online correction (module doc, layer 3).
+
+    ema_weight:     w, evidence forgetting: all evidence decays by (1 − w) per observed step
+                    (memory ≈ 1/w steps); ≤ 0.1.
+    residual_prior: τ, pseudo-observations behind "this shape runs like the shared correction
+                    says"; a shape's own evidence must outgrow it before its residual is trusted.
+    device_prior:   τ₀, ridge weight of "the device runs as profiled" (d = 0).
+    draft_prior:    λ, ridge weight of "the draft/target balance is as profiled" (b = 0).
+    ratio_clip:     c, each observed/model ratio, and each correction, is clipped to [1/c, c].
+    """
 
     ema_weight: float = 0.05
+    residual_prior: float = 1.0
+    device_prior: float = 1e-3
+    draft_prior: float = 1e-4
     ratio_clip: float = 4.0
 
     def __post_init__(self):
         if not 0.0 <= self.ema_weight <= 0.1:
             raise ValueError(f"ema_weight must be in [0, 0.1], got {self.ema_weight}")
+        for name in ("residual_prior", "device_prior", "draft_prior"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.ratio_clip < 1.0:
             raise ValueError(f"ratio_clip must be >= 1, got {self.ratio_clip}")
 
 
 class CostModel:
-    """Prices a step: profiled table first, then the fit; times an online correction factor."""
+    """Prices a step: profiled table first, then the fit; times the online correction."""
 
     def __init__(self, table: Mapping[tuple[int, int, int], float], fit: LinearCostFit | None = None, *,
                  window_buckets: tuple[int, ...] | None = None, real_token_s: float = 0.0,
                  online: OnlineCostConfig = OnlineCostConfig()):
         """table: (B, k, W) -> seconds. fit: prices shapes missing from the table (None: a miss
-        raises). window_buckets: the engine's attention windows (None: W = context + k + 1)."""
+        raises). window_buckets: the engine's attention windows (None: W = the positions needed)."""
         if window_buckets is not None and list(window_buckets) != sorted(set(window_buckets)):
             raise ValueError(f"window_buckets must be increasing, got {window_buckets}")
         if real_token_s < 0:
@@ -246,7 +281,11 @@ class CostModel:
         self.window_buckets = tuple(window_buckets) if window_buckets is not None else None
         self.real_token_s = float(real_token_s)
         self.online = online
-        self._factor: dict[tuple[int, int, int], float] = {}  # per-shape EMA of observed / model
+        self._evidence: dict[tuple[int, int, int], tuple[float, float]] = {}  # shape -> (n_s, Σ ρ), decayed
+        self._log_device = 0.0  # d (module doc), refitted after every observation
+        self._draft_slope = 0.0  # b (module doc)
+        self._residual: dict[tuple[int, int, int], float] = {}  # r_s per observed shape
+        self._shares: dict[tuple[int, int, int], float] = {}  # π_s, memoised
         self.observations = 0
 
     @classmethod
@@ -265,19 +304,14 @@ class CostModel:
 
     # --- shapes ------------------------------------------------------------------------
 
-    def window(self, context: int, k: int) -> int:
-        """The window the engine attends over: smallest bucket ≥ context + k + 1."""
-        needed = context + k + 1
-        if self.window_buckets is None:
-            return needed
-        for w in self.window_buckets:
-            if w >= needed:
-                return w
-        raise CostModelError(f"no window bucket >= {needed} in {self.window_buckets}")
-
-    def fits(self, context: int, k: int) -> bool:
-        """Whether a step at this longest context and k has a window (the engine's capacity check)."""
-        return self.window_buckets is None or context + k + 1 <= self.window_buckets[-1]
+    def shape(self, context_lens: Sequence[int], row_caps: Sequence[int] | None, k: int,
+              k_menu: Sequence[int]) -> StepShape:
+        """The shape the engine runs a step at (`step_shape` over this model's windows); raises
+        CostModelError if no window holds it (the engine's capacity check)."""
+        shape = step_shape(context_lens, row_caps, k, k_menu, self.window_buckets)
+        if shape.window is None:
+            raise CostModelError(f"no window bucket >= {shape.needed} in {self.window_buckets}")
+        return shape
 
     # --- prices ------------------------------------------------------------------------
 
@@ -292,9 +326,25 @@ class CostModel:
             raise CostModelError(f"non-positive time {t} for (B={batch}, k={k}, W={window})")
         return t
 
+    @property
+    def device_factor(self) -> float:
+        """exp(d): how much slower (> 1) or faster (< 1) than profiled the device runs, over all shapes."""
+        return math.exp(self._log_device)
+
+    @property
+    def draft_slope(self) -> float:
+        """b: the log correction per unit of propose share (> 0: proposing is slower than profiled)."""
+        return self._draft_slope
+
     def factor(self, batch: int, k: int, window: int) -> float:
-        """Online correction of a shape (1 until observed)."""
-        return self._factor.get((batch, k, window), 1.0)
+        """Online correction of a shape: exp(d + b·π_s + r_s), clipped to [1/c, c] (module doc)."""
+        bound = math.log(self.online.ratio_clip)
+        log_factor = self.shared_log_correction(batch, k, window) + self._residual.get((batch, k, window), 0.0)
+        return math.exp(min(max(log_factor, -bound), bound))
+
+    def shared_log_correction(self, batch: int, k: int, window: int) -> float:
+        """d + b·π_s: what the shared corrections say of a shape (all a never-observed shape gets)."""
+        return self._log_device + self._draft_slope * self.propose_share(batch, k, window)
 
     def padded_time(self, batch: int, k: int, window: int) -> float:
         """factor · T_pad: every row at k."""
@@ -331,18 +381,43 @@ class CostModel:
     # --- online --------------------------------------------------------------------------
 
     def observe(self, batch: int, k: int, window: int, seconds: float, real_tokens: int | None = None) -> None:
-        """Fold one measured step into the correction:  ratio = seconds / (T_pad − c_real·gap),
-        clipped to [1/c, c];  f_shape ← (1−w)·f_shape + w·ratio  (f_shape starts at 1)."""
+        """Fold one measured step into the correction (module doc, layer 3)."""
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"observed step time must be positive and finite, got {seconds}")
-        ratio = seconds / self._uncorrected(batch, k, window, real_tokens)
-        c, w = self.online.ratio_clip, self.online.ema_weight
-        ratio = min(max(ratio, 1.0 / c), c)
-        key = (batch, k, window)
-        self._factor[key] = (1 - w) * self._factor.get(key, 1.0) + w * ratio
+        bound = math.log(self.online.ratio_clip)
+        rho = min(max(math.log(seconds / self._uncorrected(batch, k, window, real_tokens)), -bound), bound)
+        keep = 1.0 - self.online.ema_weight
+        # decay all evidence; a shape whose evidence has faded away is forgotten (priced as never seen)
+        self._evidence = {s: (n * keep, total * keep) for s, (n, total) in self._evidence.items()
+                          if n * keep > _FORGOTTEN}
+        n, total = self._evidence.get((batch, k, window), (0.0, 0.0))
+        self._evidence[(batch, k, window)] = (n + 1.0, total + rho)
+        self._refit()
         self.observations += 1
+
+    def propose_share(self, batch: int, k: int, window: int) -> float:
+        """π_s: the fit's share of a shape's time spent proposing (0 at k = 0 or without a fit)."""
+        key = (batch, k, window)
+        if key not in self._shares:
+            p = self.fit.propose(batch, k, window) if self.fit is not None else 0.0
+            v = self.fit.verify(batch, k, window) if self.fit is not None else 0.0
+            self._shares[key] = p / (p + v) if p + v > 0 else 0.0
+        return self._shares[key]
+
+    def _refit(self) -> None:
+        """d, b and r_s from the evidence: the ridge least-squares solution of the module doc."""
+        tau, tau0, lam = self.online.residual_prior, self.online.device_prior, self.online.draft_prior
+        saa = sap = spp = sam = spm = 0.0
+        for s, (n, total) in self._evidence.items():
+            a, pi, m = n * tau / (n + tau), self.propose_share(*s), total / n  # a_s ≤ τ, π_s, m_s
+            saa, sap, spp, sam, spm = saa + a, sap + a * pi, spp + a * pi * pi, sam + a * m, spm + a * pi * m
+        # [Σa + τ₀, Σaπ; Σaπ, Σaπ² + λ] [d; b] = [Σa·m; Σaπ·m]
+        det = (saa + tau0) * (spp + lam) - sap * sap
+        self._log_device = (sam * (spp + lam) - sap * spm) / det
+        self._draft_slope = ((saa + tau0) * spm - sap * sam) / det
+        self._residual = {s: n / (n + tau) * (total / n - self._log_device - self._draft_slope * self.propose_share(*s))
+                          for s, (n, total) in self._evidence.items()}
 
     def corrections(self) -> dict[str, float]:
         """Correction factors of the observed shapes, for metrics: {'B,k,W': factor}."""
-        return {f"{b},{k},{w}": f for (b, k, w), f in sorted(self._factor.items())}
-
+        return {f"{b},{k},{w}": self.factor(b, k, w) for (b, k, w) in sorted(self._residual)}

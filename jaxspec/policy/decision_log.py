@@ -36,6 +36,7 @@ class DecisionRecord:
     accepted: int
     proposed: int
     seconds: float
+    explored: bool = False  # an exploration option ran instead of the best one
 
     @property
     def goodput(self) -> float | None:
@@ -66,7 +67,8 @@ class DecisionLog:
         self.steps = 0
 
     def record(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float, *,
-               predicted_tokens: float | None = None, predicted_seconds: float | None = None) -> DecisionRecord:
+               predicted_tokens: float | None = None, predicted_seconds: float | None = None,
+               explored: bool = False) -> DecisionRecord:
         if not (elapsed_s >= 0 and np.isfinite(elapsed_s)):
             raise ValueError(f"elapsed_s must be finite and >= 0, got {elapsed_s}")
         n = view.batch_size
@@ -75,7 +77,7 @@ class DecisionLog:
             predicted_goodput=dict(decision.predicted_goodput) if decision.predicted_goodput is not None else None,
             predicted_tokens=predicted_tokens, predicted_seconds=predicted_seconds,
             tokens=int(np.sum(result.counts[:n])), accepted=int(np.sum(result.accepted[:n])),
-            proposed=int(np.sum(result.proposed[:n])), seconds=float(elapsed_s))
+            proposed=int(np.sum(result.proposed[:n])), seconds=float(elapsed_s), explored=explored)
         self._records.append(rec)
         self.steps += 1
         return rec
@@ -95,6 +97,7 @@ class DecisionLog:
 
         goodput:            Σ tokens / Σ seconds.
         mean_k:             mean chosen padded k.
+        explored:           records whose option was run for exploration, not as the best.
         prediction_ratio:   Σ realised tokens / Σ predicted tokens (1 = calibrated), where predicted.
         time_ratio:         Σ realised seconds / Σ predicted seconds, where predicted.
         """
@@ -106,7 +109,8 @@ class DecisionLog:
         pred = [r for r in recs if r.predicted_tokens is not None and r.predicted_seconds is not None]
         out = {"steps": self.steps, "kept": len(recs), "tokens": tokens, "seconds": seconds,
                "goodput": tokens / seconds if seconds > 0 else None, "mean_k": float(np.mean([r.k for r in recs])),
-               "k_histogram": {str(k): v for k, v in sorted(collections.Counter(r.k for r in recs).items())}}
+               "k_histogram": {str(k): v for k, v in sorted(collections.Counter(r.k for r in recs).items())},
+               "explored": sum(r.explored for r in recs)}
         if pred and sum(r.seconds for r in pred) > 0:
             out["prediction_ratio"] = sum(r.tokens for r in pred) / sum(r.predicted_tokens for r in pred)
             out["time_ratio"] = sum(r.seconds for r in pred) / sum(r.predicted_seconds for r in pred)

@@ -1,11 +1,16 @@
 """SmartSpec goodput policy (arXiv 2406.14066, DESIGN.md §7): pick k every step to maximise tokens/s.
 
 For live rows i with acceptance estimates α_i (`AcceptanceTracker`) and the step cost T
-(`CostModel`, padded bucket B, attention window W(k) from the longest context):
+(`CostModel`, padded bucket B):
 
     E_i(k) = Σ_{j=0..k} α_i^j = (1 − α_i^{k+1}) / (1 − α_i)        (= k+1 at α_i = 1)
-    G(k)   = Σ_i E_i(min(k, cap_i)) / T(B, k, W(k), r),   r = Σ_i (min(k, cap_i) + 1)
+    G(k)   = Σ_i E_i(k_i) / T(B, k', W, r),   k_i = min(k, cap_i),  r = Σ_i (k_i + 1)
     k*     = argmax_{k ∈ menu} G(k)          (0 included; ties go to the smaller k)
+
+where (k', W) is the shape the engine runs the step at (`jaxspec.policy.shape.step_shape`, the
+one function both use): k' the smallest menu value ≥ max_i k_i, W the window of
+max_i (len_i + k_i) + 1. A long row capped at a small k therefore does not push the window of
+the others, and each observed step time is filed under the shape that actually ran.
 
 `GoodputPerRequestPolicy` lets each row verify k_i ≤ K inside one padded step of shape K:
 
@@ -16,7 +21,8 @@ so the optimum is a threshold set: add row tokens in decreasing order of their m
 g = E_i(j) − E_i(j−1) = Π_{l≤j} α_{i,l} while g / c > G (adding raises the ratio iff its gain per second beats the current ratio; gains of a
 row never increase with j, so the greedy order is valid and the first refusal ends it). With
 c_real = 0 (a purely padded executable) every row with a useful token takes k_i = min(K, cap_i):
-per-row k only pays off when verification is priced per real token.
+per-row k only pays off when verification is priced per real token. The allocation is then
+priced at the shape it runs (a smaller k' and window when every row ended below K).
 
 Draft catch-up: a draft skips the tokens committed by k = 0 steps and is fed them (catch-up calls,
 `BatchView.catch_up_calls`) before the next k > 0 step. That restart cost buys speculation for
@@ -34,8 +40,17 @@ prior, and a prior under break-even would keep k = 0 forever, so nothing is ever
 expensive draft at prior 0.5 does exactly that). Until then every row is evaluated at α = 1:
 speculation is tried for a few steps and the measured rate takes over.
 
-Feasibility: an option needs a window for max(context) + k + 1 (the engine's capacity check);
-options above every row's cap are skipped (they only add padding), except the smallest menu value.
+Exploration: every `explore_every`-th decision runs a menu neighbour of the best option instead
+(the next smaller or the next larger k, the side tried first alternating), if its predicted
+goodput is within `explore_margin` of the best (G ≥ (1 − margin)·G*). Its shape's cost and the
+rows' acceptance get fresh evidence, so estimates that drifted (k = 0 looking best on a device
+faster than its profile, or one k looking cheap because only it was observed) cannot lock the
+policy: goodput is unimodal in k in practice, and a better neighbour, once measured, takes over.
+At most one decision in `explore_every` explores, giving up at most `explore_margin` of the
+predicted goodput. (An explored k = 0 step leaves the draft one more token to catch up.)
+
+Feasibility: an option needs a window for its shape (the engine's capacity check); a menu value
+above every row's cap runs as a smaller one and is evaluated once, as that one.
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ from jaxspec.policy.acceptance import AcceptanceTracker, expected_tokens
 from jaxspec.policy.base import BatchView, Decision, Policy
 from jaxspec.policy.cost_model import CostModel, CostModelError
 from jaxspec.policy.decision_log import DecisionLog
+from jaxspec.policy.shape import StepShape
 from jaxspec.types import StepResult
 
 
@@ -64,7 +80,10 @@ class GoodputConfig:
     catch_up_horizon: tokens a draft catch-up is amortised over at most (see the module doc).
     catch_up_ema: weight of the newest measurement in the seconds-per-catch-up-call estimate.
     explore_trials: verified trials the proposer needs before its measured rate is trusted
-      (until then rows are evaluated at α = 1, see "Cold start"); 0 = no exploration."""
+      (until then rows are evaluated at α = 1, see "Cold start"); 0 = no exploration.
+    explore_every: every N-th decision may run a menu neighbour of the best option (see
+      "Exploration"); 0 = never.
+    explore_margin: ... if the neighbour's predicted goodput is at least (1 − margin) times the best's."""
 
     positional: bool = False
     short_proposal_is_rejection: bool = True
@@ -72,16 +91,25 @@ class GoodputConfig:
     catch_up_horizon: int = 32
     catch_up_ema: float = 0.3
     explore_trials: int = 8
+    explore_every: int = 16
+    explore_margin: float = 0.25
+
+    def __post_init__(self):
+        if self.explore_every < 0:
+            raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
+        if not 0.0 <= self.explore_margin < 1.0:
+            raise ValueError(f"explore_margin must be in [0, 1), got {self.explore_margin}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One evaluated menu option: padded k, per-row k_i, Σ E_i(k_i), T, and their ratio."""
+    """One evaluated menu option: menu k, per-row k_i, Σ E_i(k_i), T, and the shape the step runs at."""
 
     k: int
     row_k: tuple[int, ...]
     tokens: float
     seconds: float
+    shape: StepShape
 
     @property
     def goodput(self) -> float:
@@ -99,8 +127,10 @@ class GoodputPolicy(Policy):
         self.acceptance = acceptance if acceptance is not None else AcceptanceTracker()
         self.config = config
         self.log = DecisionLog(config.log_size)
-        self._last: tuple[Decision, Option] | None = None
+        self._last: tuple[Decision, Option, bool] | None = None
         self.catch_up_call_s = 0.0  # measured seconds per draft catch-up call (EMA)
+        self.decisions = 0  # choose() calls so far (the exploration schedule)
+        self.explored = 0  # decisions that ran an exploration option
 
     # --- prediction ------------------------------------------------------------------
 
@@ -121,24 +151,33 @@ class GoodputPolicy(Policy):
             rows.append(np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(np.clip(a[:k_max], 0.0, 1.0)))]))
         return np.stack(rows)
 
-    def candidates(self, view: BatchView) -> list[int]:
-        """Menu values that fit the cache and do not exceed every row's cap (smallest kept)."""
+    def shape(self, view: BatchView, k: int, row_caps=None) -> StepShape:
+        """The shape a step at padded k runs at, rows capped at `row_caps` (default: their room)."""
+        return self.cost.shape(view.context_lens, view.row_max_k if row_caps is None else row_caps, k, view.k_menu)
+
+    def candidates(self, view: BatchView) -> list[StepShape]:
+        """The shapes of the menu values that fit a window and run as themselves (a value above
+        every row's cap runs as the smallest menu value ≥ the largest cap: evaluated once, as that)."""
         if not view.request_ids:
             raise ValueError("the goodput policy needs at least one live row")
-        longest = max(view.context_lens)
-        top = max(view.row_max_k)
-        fit = [k for k in view.k_menu if self.cost.fits(longest, k)]
-        if not fit:
-            raise CostModelError(f"no k of {view.k_menu} fits a context of {longest} "
+        shapes = []
+        for k in view.k_menu:
+            try:
+                shape = self.shape(view, k)
+            except CostModelError:  # no window holds it (nor any larger k)
+                break
+            if shape.k == k:
+                shapes.append(shape)
+        if not shapes:
+            raise CostModelError(f"no k of {view.k_menu} fits contexts up to {max(view.context_lens)} "
                                  f"(windows {self.cost.window_buckets})")
-        return [k for i, k in enumerate(fit) if i == 0 or k <= top]
+        return shapes
 
-    def allocate(self, view: BatchView, e: np.ndarray, k: int, window: int) -> Option:
-        """Uniform k: every row at min(k, cap_i)."""
-        row_k = tuple(min(k, c) for c in view.row_max_k)
-        tokens = float(sum(e[i, ki] for i, ki in enumerate(row_k)))
-        r = sum(ki + 1 for ki in row_k)
-        return Option(k, row_k, tokens, self.cost.step_time(view.batch_bucket, k, window, r))
+    def allocate(self, view: BatchView, e: np.ndarray, shape: StepShape) -> Option:
+        """Uniform k: every row at min(k, cap_i), as the shape says."""
+        tokens = float(sum(e[i, ki] for i, ki in enumerate(shape.caps)))
+        seconds = self.cost.step_time(view.batch_bucket, shape.k, shape.window, shape.real_tokens)
+        return Option(shape.k, shape.caps, tokens, seconds, shape)
 
     def catch_up_seconds(self, view: BatchView, e: np.ndarray, row_k: tuple[int, ...]) -> float:
         """The share of pending draft catch-up a k > 0 step with these row k_i carries (module doc)."""
@@ -149,47 +188,76 @@ class GoodputPolicy(Policy):
         return total
 
     def options(self, view: BatchView) -> list[Option]:
-        """Every feasible menu option, evaluated (k > 0 ones with their catch-up share)."""
-        ks = self.candidates(view)
-        e = self.row_expectations(view, ks[-1])
-        longest = max(view.context_lens)
-        opts = [self.allocate(view, e, k, self.cost.window(longest, k)) for k in ks]
-        return [o if o.k == 0 else dataclasses.replace(o, seconds=o.seconds + self.catch_up_seconds(view, e, o.row_k))
+        """Every feasible menu option, evaluated (those that speculate with their catch-up share)."""
+        shapes = self.candidates(view)
+        e = self.row_expectations(view, shapes[-1].k)
+        opts = [self.allocate(view, e, shape) for shape in shapes]
+        return [o if o.shape.k == 0 else
+                dataclasses.replace(o, seconds=o.seconds + self.catch_up_seconds(view, e, o.row_k))
                 for o in opts]
+
+    def pick(self, opts: list[Option]) -> tuple[Option, bool]:
+        """The best option, or on the exploration schedule a neighbour of it within the margin
+        (module doc). Returns (option, explored)."""
+        best = max(opts, key=lambda o: (o.goodput, -o.k))
+        self.decisions += 1
+        every = self.config.explore_every
+        if not every or self.decisions % every:
+            return best, False
+        by_k: dict[int, Option] = {}  # the best option of each k that runs
+        for o in opts:
+            if o.shape.k not in by_k or o.goodput > by_k[o.shape.k].goodput:
+                by_k[o.shape.k] = o
+        ks = sorted(by_k)
+        i = ks.index(best.shape.k)
+        below = by_k[ks[i - 1]] if i > 0 else None
+        above = by_k[ks[i + 1]] if i + 1 < len(ks) else None
+        turn = self.decisions // every
+        floor = (1.0 - self.config.explore_margin) * best.goodput
+        for option in ((below, above) if turn % 2 else (above, below)):  # alternate the first side tried
+            if option is not None and option.goodput >= floor:
+                self.explored += 1
+                return option, True
+        return best, False
 
     # --- the contract ----------------------------------------------------------------
 
+    def decision(self, option: Option, opts: list[Option]) -> Decision:
+        """The engine's instructions for an option: its shape's k, per-row caps unless all at k."""
+        k = option.shape.k
+        row_k = option.row_k if (k > 0 and any(ki != k for ki in option.row_k)) else None
+        return Decision(k=k, row_k=row_k, predicted_goodput={o.k: o.goodput for o in opts})
+
     def choose(self, view: BatchView) -> Decision:
         opts = self.options(view)
-        best = max(opts, key=lambda o: (o.goodput, -o.k))
-        row_k = best.row_k if (best.k > 0 and any(ki != best.k for ki in best.row_k)) else None
-        decision = Decision(k=best.k, row_k=row_k, predicted_goodput={o.k: o.goodput for o in opts})
-        self._last = (decision, best)
+        option, explored = self.pick(opts)
+        decision = self.decision(option, opts)
+        self._last = (decision, option, explored)
         return decision
 
     def observe(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float) -> None:
         n = view.batch_size
         if len(result.counts) < n:
             raise ValueError(f"step result has {len(result.counts)} rows for a batch of {n}")
-        requested = decision.row_k if decision.row_k is not None else (decision.k,) * n
+        # the shape the engine ran (the same function it runs steps with)
+        shape = self.cost.shape(view.context_lens, decision.row_k, decision.k, view.k_menu)
         for i, rid in enumerate(view.request_ids):
             proposed, accepted = int(result.proposed[i]), int(result.accepted[i])
-            if proposed > requested[i]:
-                raise ValueError(f"row {i} verified {proposed} proposals but was allowed {requested[i]}")
-            trials = requested[i] if self.config.short_proposal_is_rejection else proposed
+            if proposed > shape.caps[i]:
+                raise ValueError(f"row {i} verified {proposed} proposals but was allowed {shape.caps[i]}")
+            trials = shape.caps[i] if self.config.short_proposal_is_rejection else proposed
             self.acceptance.observe(rid, accepted, trials)
         if result.catch_up_calls:
             per_call = result.catch_up_s / result.catch_up_calls
             w = self.config.catch_up_ema if self.catch_up_call_s > 0 else 1.0
             self.catch_up_call_s = (1 - w) * self.catch_up_call_s + w * per_call
         if elapsed_s > 0:  # a step the clock could not time (elapsed 0) carries no timing evidence
-            window = self.cost.window(max(view.context_lens), decision.k)
-            self.cost.observe(view.batch_bucket, decision.k, window, elapsed_s,
-                              real_tokens=sum(r + 1 for r in requested))
-        chosen = self._last[1] if self._last is not None and self._last[0] is decision else None
+            self.cost.observe(view.batch_bucket, shape.k, shape.window, elapsed_s, real_tokens=shape.real_tokens)
+        last = self._last if self._last is not None and self._last[0] is decision else None
         self.log.record(view, decision, result, elapsed_s,
-                        predicted_tokens=chosen.tokens if chosen else None,
-                        predicted_seconds=chosen.seconds if chosen else None)
+                        predicted_tokens=last[1].tokens if last else None,
+                        predicted_seconds=last[1].seconds if last else None,
+                        explored=last[2] if last else False)
 
     def forget(self, request_id: Hashable) -> None:
         self.acceptance.forget(request_id)
@@ -200,9 +268,9 @@ class GoodputPerRequestPolicy(GoodputPolicy):
 
     name = "goodput-per-request"
 
-    def allocate(self, view: BatchView, e: np.ndarray, k: int, window: int) -> Option:
-        b, n = view.batch_bucket, view.batch_size
-        caps = [min(k, c) for c in view.row_max_k]
+    def allocate(self, view: BatchView, e: np.ndarray, shape: StepShape) -> Option:
+        b, n, k, window = view.batch_bucket, view.batch_size, shape.k, shape.window
+        caps = shape.caps
         c = self.cost.real_token_time(b, k, window)  # seconds per added real token
         row_k = [0] * n
         tokens = float(e[:, 0].sum())
@@ -220,14 +288,11 @@ class GoodputPerRequestPolicy(GoodputPolicy):
             j = row_k[i]
             if j < caps[i]:
                 heapq.heappush(heap, (-(e[i, j + 1] - e[i, j]), i))
-        r = sum(ki + 1 for ki in row_k)
-        return Option(k, tuple(row_k), float(sum(e[i, ki] for i, ki in enumerate(row_k))),
-                      self.cost.step_time(b, k, window, r))
+        # priced at the shape it runs (a smaller k' and window if every row ended below K)
+        ran = self.shape(view, k, row_k)
+        return Option(k, ran.caps, float(sum(e[i, ki] for i, ki in enumerate(ran.caps))),
+                      self.cost.step_time(b, ran.k, ran.window, ran.real_tokens), ran)
 
-    def choose(self, view: BatchView) -> Decision:
-        opts = self.options(view)
-        best = max(opts, key=lambda o: (o.goodput, -o.k))
-        decision = Decision(k=best.k, row_k=best.row_k if best.k > 0 else None,
-                            predicted_goodput={o.k: o.goodput for o in opts})
-        self._last = (decision, best)
-        return decision
+    def decision(self, option: Option, opts: list[Option]) -> Decision:
+        k = option.shape.k
+        return Decision(k=k, row_k=option.row_k if k > 0 else None, predicted_goodput={o.k: o.goodput for o in opts})

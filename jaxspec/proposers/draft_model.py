@@ -14,6 +14,8 @@ engine brings longer lags (after k = 0 steps) down to that with bucketed catch-u
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -68,13 +70,18 @@ class DraftModelProposer(Proposer):
                                              logits_at=(count - 1)[:, None], layers=layers)
         return logits[:, 0, :], state
 
-    def propose(self, params, state: KVCache, ctx: StepContext, k: int, window: int):
+    def propose(self, params, state: KVCache, ctx: StepContext, k: int, window: int,
+                perturb: Callable[[jax.Array, jax.Array], jax.Array] | None = None):
+        """k draft tokens per row. `perturb(token [B], i) -> token [B]`, if given, replaces the
+        i-th drawn token before the draft continues from it (and before it is proposed), so the
+        draft cache holds exactly the proposed chain; the probabilities are those it was drawn from."""
         draft, layers = self._model(params)
         logits, state = self._catch_up(draft, layers, state, ctx, window)  # logits: [B, V]
 
         def draw(logits, i):
             # token: [B] drawn from q = warp(logits) [B, V]
-            return sampling.draw(logits, ctx.rows, sampling.subkeys(ctx.rows.keys, i))
+            token, q = sampling.draw(logits, ctx.rows, sampling.subkeys(ctx.rows.keys, i))
+            return (token if perturb is None else perturb(token, i)), q
 
         first, q_first = draw(logits, 0)
 

@@ -4,6 +4,13 @@ Wraps another proposer (typically the target as its own draft, acceptance 1 at t
 and replaces each proposal, independently with probability 1 − α, by a different token. At
 temperature 0 with a perfect inner proposer, each proposal is then accepted with probability α.
 Replaced proposals become point masses (draft_probs = None), which keeps verification exact.
+
+A draft model is perturbed inside its own autoregressive loop: it continues from the replaced
+token, so its cache holds the chain that was proposed, and after the commit (which keeps the
+accepted prefix) exactly the committed history, as an unperturbed draft's would. Replacing the
+tokens afterwards would leave the draft's own tokens in its cache wherever a replacement was
+accepted (under sampling a replacement is accepted with probability p(token)), and the draft
+would go on proposing from a history that never happened.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.proposers.base import Proposer, StepContext
+from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.types import Proposals
 
 _NOISE_KEY = 2_000_003
@@ -23,6 +31,9 @@ class NoisyProposer(Proposer):
     def __init__(self, inner: Proposer, alpha: float, vocab_size: int):
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        if inner.tracks_context and not isinstance(inner, DraftModelProposer):
+            raise TypeError(f"NoisyProposer cannot keep the state of {type(inner).__name__} equal to the "
+                            f"history: only a DraftModelProposer (or a stateless proposer) can be wrapped")
         self.inner, self.alpha, self.vocab_size = inner, float(alpha), vocab_size
         self.name = f"noisy({inner.name},{alpha:g})"
         self.config = getattr(inner, "config", None)
@@ -41,10 +52,19 @@ class NoisyProposer(Proposer):
         return self.inner.commit(state, ctx, k, n_accepted)
 
     def propose(self, params, state, ctx: StepContext, k: int, window: int):
-        proposals, state = self.inner.propose(params, state, ctx, k, window)
         keys = jax.vmap(lambda key: jax.random.fold_in(key, _NOISE_KEY))(ctx.rows.keys)
         # keep: [B, K] Bernoulli(alpha); shift: [B, K] in [1, V) so a replaced token always differs
         keep = jax.vmap(lambda key: jax.random.bernoulli(key, self.alpha, (k,)))(keys)
         shift = jax.vmap(lambda key: jax.random.randint(jax.random.fold_in(key, 1), (k,), 1, self.vocab_size))(keys)
-        noisy = jnp.where(keep, proposals.token_ids, (proposals.token_ids + shift) % self.vocab_size)
+
+        def perturb(token, i):
+            # token: [B], the i-th proposal of every row
+            return jnp.where(keep[:, i], token, (token + shift[:, i]) % self.vocab_size).astype(jnp.int32)
+
+        if self.inner.tracks_context:  # the draft continues from the perturbed tokens (module doc)
+            proposals, state = self.inner.propose(params, state, ctx, k, window, perturb=perturb)
+            noisy = proposals.token_ids
+        else:  # no state to keep in sync: perturb the finished proposals, [B, K]
+            proposals, state = self.inner.propose(params, state, ctx, k, window)
+            noisy = jnp.where(keep, proposals.token_ids, (proposals.token_ids + shift) % self.vocab_size)
         return Proposals(token_ids=noisy.astype(jnp.int32), lens=proposals.lens, draft_probs=None), state

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxspec.policy.base import BatchView, Decision
 from jaxspec.policy.cost_model import CostModel
+from jaxspec.policy.shape import step_shape
 from jaxspec.types import StepResult
 
 MENU_B = (1, 2, 4, 8, 16)
@@ -69,10 +70,11 @@ class Clock:
 
 def run(policy, alphas_at: Callable[[int], Sequence[float]], steps: int, true_cost: Callable[[int, int, int], float],
         *, seed: int = 0, ctx: int = 100, caps=None) -> dict:
-    """Drive `policy` for `steps` simulated steps; returns tokens, seconds and the chosen ks."""
+    """Drive `policy` for `steps` simulated steps; returns tokens, seconds, the chosen ks and per
+    step tokens and seconds. Each step takes `true_cost` at the shape the engine would run."""
     rng = np.random.default_rng(seed)
     clock = Clock()
-    tokens, ks = 0, []
+    tokens, ks, step_tokens, step_seconds = 0, [], [], []
     for t in range(steps):
         alphas = alphas_at(t)
         v = view(len(alphas), ctx=ctx, caps=caps)
@@ -80,9 +82,12 @@ def run(policy, alphas_at: Callable[[int], Sequence[float]], steps: int, true_co
         allowed = allowed_rows(d, v.batch_size)
         res = simulate_result(alphas, allowed, rng)
         start = clock()
-        window = next(w for w in WINDOWS if w >= ctx + d.k + 1)
-        clock.now += true_cost(v.batch_bucket, d.k, window)
+        shape = step_shape(v.context_lens, d.row_k, d.k, v.k_menu, WINDOWS)  # what the engine runs
+        clock.now += true_cost(v.batch_bucket, shape.k, shape.window)
         policy.observe(v, d, res, clock() - start)
         tokens += int(res.counts.sum())
         ks.append(d.k)
-    return {"tokens": tokens, "seconds": clock.now, "ks": ks, "goodput": tokens / clock.now}
+        step_tokens.append(int(res.counts.sum()))
+        step_seconds.append(clock() - start)
+    return {"tokens": tokens, "seconds": clock.now, "ks": ks, "goodput": tokens / clock.now,
+            "step_tokens": step_tokens, "step_seconds": step_seconds}

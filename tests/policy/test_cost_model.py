@@ -1,4 +1,4 @@
-"""Cost model: profile JSON, least-squares fit, window mapping, per-row pricing, online correction."""
+"""Cost model: profile JSON, least-squares fit, step shapes, per-row pricing, online correction."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from jaxspec.policy.cost_model import (CostEntry, CostModel, CostModelError, CostProfile, LinearCostFit,
                                        OnlineCostConfig, ProfileKey, features, load_matching_profile)
+from jaxspec.policy.shape import step_shape
 from tests.policy.sim import MENU_B, MENU_K, WINDOWS, cost_model, linear_cost
 
 KEY = ProfileKey("cpu", "tiny", "ngram", MENU_B, MENU_K, WINDOWS)
@@ -72,14 +73,15 @@ def test_profile_json_round_trip_and_key_matching(tmp_path):
         CostProfile(KEY, (CostEntry(1, 0, 256, 1.0), CostEntry(1, 0, 256, 2.0)))
 
 
-def test_window_mapping_matches_the_engine():
+def test_shapes_come_from_the_engines_function():
     model = cost_model()
-    assert model.window(100, 4) == 256
-    assert model.window(251, 4) == 256  # 251 + 4 + 1 = 256
-    assert model.window(252, 4) == 1024
-    assert model.fits(1019, 4) and not model.fits(1020, 4)
+    assert model.shape([100], None, 4, MENU_K) == step_shape([100], None, 4, MENU_K, WINDOWS)
+    assert model.shape([251], None, 4, MENU_K).window == 256  # 251 + 4 + 1 = 256
+    assert model.shape([252], None, 4, MENU_K).window == 1024
+    # a long row capped at 0 does not push the window of a short row at k = 4
+    assert model.shape([255, 100], [0, 8], 4, MENU_K).window == 256
     with pytest.raises(CostModelError, match="no window"):
-        model.window(1020, 4)
+        model.shape([1020], None, 4, MENU_K)
 
 
 def test_per_row_pricing():
@@ -104,32 +106,75 @@ def test_split_into_propose_and_verify():
     assert p == pytest.approx(4e-3, rel=1e-6)
 
 
-def test_online_update_follows_a_shifted_cost():
+def test_a_device_faster_than_its_profile_corrects_every_shape():
+    """Only k = 0 is observed, 4x faster than profiled: the shapes with k > 0, never run, are
+    priced 4x faster too (a per-shape correction alone would leave them at the profile)."""
+    fn = linear_cost()
+    model = cost_model(fn)
+    for _ in range(100):
+        for b in (1, 4):
+            model.observe(b, 0, 256, seconds=fn(b, 0, 256) / 4)
+    assert model.device_factor == pytest.approx(0.25, rel=0.01)
+    for shape in ((4, 4, 256), (1, 8, 256), (16, 2, 1024)):
+        assert model.step_time(*shape) == pytest.approx(fn(*shape) / 4, rel=0.01), shape
+    for _ in range(200):  # and back
+        model.observe(4, 0, 256, seconds=fn(4, 0, 256))
+    assert model.step_time(4, 4, 256) == pytest.approx(fn(4, 4, 256), rel=0.01)
+
+
+def test_a_draft_slower_than_profiled_is_not_charged_to_k0():
+    """Steps with k > 0 take longer than profiled in proportion to their drafting: the shared
+    correction learns it as a draft slope, so k = 0 (no drafting), never run, keeps its profile."""
+    profiled = linear_cost(step=10e-3, draft_step=0.5e-3)
+    actual = linear_cost(step=10e-3, draft_step=2e-3)
+    model = cost_model(profiled)
+    for _ in range(60):
+        for k in (2, 4):
+            model.observe(1, k, 256, seconds=actual(1, k, 256))
+    assert model.draft_slope > 0
+    # k = 2 and 4 run 1.27x and 1.49x their profile; a device-only reading would charge k = 0 ~1.4x
+    assert model.step_time(1, 0, 256) == pytest.approx(actual(1, 0, 256), rel=0.06)  # extrapolated
+    assert model.step_time(1, 3, 256) == pytest.approx(actual(1, 3, 256), rel=0.03)  # interpolated
+    assert model.step_time(1, 4, 256) == pytest.approx(actual(1, 4, 256), rel=0.01)  # observed
+
+
+def test_a_shape_that_deviates_on_its_own_keeps_its_residual():
     fn = linear_cost()
     model = cost_model(fn, ema_weight=0.1)
-    shape = (4, 4, 256)
-    for _ in range(60):  # the device got 1.5x slower at this shape
-        model.observe(*shape, seconds=1.5 * fn(*shape))
-    assert model.step_time(*shape) == pytest.approx(1.5 * fn(*shape), rel=0.01)
-    # other shapes keep their profiled time
-    assert model.factor(1, 0, 256) == 1.0 and model.step_time(4, 2, 256) == pytest.approx(fn(4, 2, 256))
-    for _ in range(60):  # and back
-        model.observe(*shape, seconds=fn(*shape))
-    assert model.step_time(*shape) == pytest.approx(fn(*shape), rel=0.01)
-    assert set(model.corrections()) == {"4,4,256"}
+    for _ in range(60):  # one shape got 1.5x slower, the others run as profiled
+        model.observe(4, 4, 256, seconds=1.5 * fn(4, 4, 256))
+        for other in ((4, 0, 256), (4, 2, 256), (4, 6, 256)):
+            model.observe(*other, seconds=fn(*other))
+    # its residual keeps most of it (shrunk by n_s / (n_s + τ) ≈ 10/11 with w = 0.1), the others little
+    assert model.step_time(4, 4, 256) > 1.3 * fn(4, 4, 256)
+    for other in ((4, 0, 256), (4, 2, 256), (1, 0, 256)):
+        assert model.step_time(*other) == pytest.approx(fn(*other), rel=0.1), other
+    assert set(model.corrections()) == {"4,0,256", "4,2,256", "4,4,256", "4,6,256"}
 
 
 def test_online_update_is_bounded():
     fn = linear_cost()
-    model = cost_model(fn, ema_weight=0.05, ratio_clip=4.0)
+    model = cost_model(fn, ratio_clip=4.0)
     model.observe(1, 2, 256, seconds=1000 * fn(1, 2, 256))  # a GC pause: ratio clipped to 4
-    assert model.factor(1, 2, 256) == pytest.approx(1 + 0.05 * 3)
+    for shape in ((1, 2, 256), (1, 0, 256), (16, 8, 1024)):
+        assert 1.0 <= model.factor(*shape) <= 4.0 + 1e-12
     with pytest.raises(ValueError):
         model.observe(1, 2, 256, seconds=0.0)
-    with pytest.raises(ValueError):
-        OnlineCostConfig(ema_weight=0.2)
-    with pytest.raises(ValueError):
-        OnlineCostConfig(ratio_clip=0.5)
+    for bad in (dict(ema_weight=0.2), dict(ratio_clip=0.5), dict(residual_prior=0.0), dict(device_prior=-1.0),
+                dict(draft_prior=0.0)):
+        with pytest.raises(ValueError):
+            OnlineCostConfig(**bad)
+
+
+def test_stale_evidence_fades_to_the_shared_correction():
+    fn = linear_cost()
+    model = cost_model(fn, ema_weight=0.1)
+    for _ in range(30):
+        model.observe(1, 0, 256, seconds=2 * fn(1, 0, 256))
+    for _ in range(400):  # only another shape from now on, and the device is as profiled again
+        model.observe(4, 0, 256, seconds=fn(4, 0, 256))
+    assert "1,0,256" not in model.corrections()  # forgotten
+    assert model.step_time(1, 0, 256) == pytest.approx(fn(1, 0, 256), rel=1e-3)
 
 
 def test_observe_accounts_for_real_tokens():

@@ -11,6 +11,7 @@ import pytest
 
 from jaxspec import profiler
 from jaxspec.policy.cost_model import CostModel, load_matching_profile
+from jaxspec.policy.shape import step_shape
 from jaxspec.types import StepResult
 from tests.policy.sim import Clock, linear_cost
 
@@ -59,11 +60,12 @@ class FakeEngine:
         self.lengths[slot] = 0
 
     def step(self, slot_ids, k, row_k=None):
+        """Runs at the engine's shape: rows all capped below k run a smaller k (and window)."""
         assert self.warmed, "profiling before warm-up"
         n = len(slot_ids)
         b = next(b for b in self.config.batch_buckets if b >= n)
-        w = next(w for w in self.config.window_buckets if w >= int(self.lengths[slot_ids].max()) + k + 1)
-        caps = [k] * n if row_k is None else list(row_k)
+        shape = step_shape(self.lengths[slot_ids], row_k, k, self.config.k_menu, self.config.window_buckets)
+        k, w, caps = shape.k, shape.window, list(shape.caps)
         gap = b * (k + 1) - sum(c + 1 for c in caps)
         self.clock.now += self.cost(b, k, w) - self.real_token_s * gap + self.jitter * self.rng.random()
         self.steps.append((b, k, w))
@@ -127,7 +129,7 @@ def test_close_windows_reach_every_shape_and_fit_the_cache():
     for k in (0, 1, 3):
         contexts = profiler.default_contexts(windows, k)
         assert all(ctx + k + 1 <= max_len for ctx in contexts)
-        assert [profiler._window(windows, ctx + k + 1) for ctx in contexts] == list(windows)
+        assert [step_shape([ctx], None, k, (0, 1, 3), windows).window for ctx in contexts] == list(windows)
 
 
 def test_cli_run_saves_a_matching_profile(tmp_path, capsys, monkeypatch):
