@@ -24,8 +24,8 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 ALL_POLICIES = ("none", "fixed:1", "fixed:3", "fixed:5", "table", "heuristic", "goodput", "goodput-per-request")
 QUICK_POLICIES = ("none", "fixed:3", "goodput")
@@ -45,10 +45,10 @@ def _strs(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="target model spec (default: the embedded default model)")
-    parser.add_argument("--draft", default="default",
-                        help="draft for the 'draft' proposer: default (shipped distilled draft), self, truncated:N, "
-                             "or a model spec (default: default)")
+    from jaxspec.engine_args import EngineArgs
+
+    # a sweep takes several proposers and policies (--proposers, --policies): only these engine flags are single
+    EngineArgs.add_arguments(parser, only=("model", "draft"), defaults={"draft": "default"})
     parser.add_argument("--proposers", type=_strs, default=None,
                         help="comma-separated of ngram,draft (default: both; --quick runs draft on chat only)")
     parser.add_argument("--workload", "--workloads", dest="workloads", default="all",
@@ -106,6 +106,7 @@ class Settings:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     from benchmarks.workloads import parse_names
+    from jaxspec.policy.spec import PolicySpec
 
     q = args.quick
     workloads = parse_names(args.workloads)
@@ -113,13 +114,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     bad = [p for p in proposers if p not in ("ngram", "draft")]
     if bad:
         raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft")
+    policies = tuple(str(PolicySpec.parse(p)) for p in (args.policies or (QUICK_POLICIES if q else ALL_POLICIES)))
     max_tokens = args.max_tokens or (24 if q else 64)
     max_prompt = args.max_prompt_tokens or (160 if q else 256)
     capacity = args.capacity or (max(args.closed_loop) if args.closed_loop else (4 if q else 8))
     if args.closed_loop and max(args.closed_loop) > capacity:
         raise ValueError(f"concurrency {max(args.closed_loop)} exceeds --capacity {capacity}")
     return Settings(
-        workloads=workloads, proposers=tuple(proposers), policies=tuple(args.policies or (QUICK_POLICIES if q else ALL_POLICIES)),
+        workloads=workloads, proposers=tuple(proposers), policies=policies,
         rates=args.rates, fractions=args.load_fractions or ((0.5, 1.3) if q else (0.1, 0.3, 0.6, 0.9, 1.2)),
         closed_loop=args.closed_loop, requests=args.requests or (4 if q else 24), max_tokens=max_tokens,
         max_prompt_tokens=max_prompt, capacity=capacity, k_menu=tuple(args.k_menu),
@@ -129,12 +131,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def bench_menu(s: Settings):
-    from jaxspec.engine import EngineConfig
+    from jaxspec.menu import Menu
 
     buckets = tuple(sorted({b for b in (1, 4, 8, 16) if b < s.capacity} | {s.capacity}))
     windows = tuple(sorted({w for w in (256,) if w < s.max_len} | {s.max_len}))
     prefill = tuple(p for p in (64, 256) if p <= s.max_len) or (s.max_len,)
-    return EngineConfig(num_slots=s.capacity, max_len=s.max_len, batch_buckets=buckets, k_menu=s.k_menu,
+    return Menu(num_slots=s.capacity, max_len=s.max_len, batch_buckets=buckets, k_menu=s.k_menu,
                         window_buckets=windows, prefill_buckets=prefill)
 
 
@@ -148,7 +150,7 @@ def make_bench_policy(spec: str, engine, max_len: int):
 
 
 def _requests(workload, s: Settings, tag: str):
-    from jaxspec.scheduler import Request
+    from jaxspec.requests import Request
     from jaxspec.types import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=s.ignore_eos)
@@ -186,6 +188,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
     from benchmarks.workloads import load_workload
     from jaxspec import compile_counter
     from jaxspec.engine import Engine
+    from jaxspec.policy.spec import PolicySpec
 
     workloads = {w: load_workload(w, tokenizer, max(s.requests, 2 * max(s.closed_loop or (1,))),
                                   seed=s.seed, max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens,
@@ -198,7 +201,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
     for name, prop in proposers.items():
         engines[name] = Engine(target, prop, menu)
         engines[name].warmup(progress=s.progress)
-        if any(p.startswith("goodput") for p in s.policies):
+        if any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
             make_bench_policy("goodput", engines[name], menu.max_len)  # profile now (cached on disk)
     log(f"warm-up + profiles: {time.perf_counter() - t0:.1f} s")
 
@@ -316,7 +319,8 @@ def markdown_table(records: list[dict]) -> str:
     for r in records:
         if "mean_latency_s" not in r:
             continue
-        lines.append(f"| {r['workload']} | {r['proposer']} | {r.get(key):g} | {r['policy']} | {r['mean_latency_s']:.3f} "
+        lines.append(f"| {r['workload']} | {r['proposer']} | {r.get(key):g} | {r['policy']} "
+                     f"| {r['mean_latency_s']:.3f} "
                      f"| {r['p50_latency_s']:.3f} | {r['p99_latency_s']:.3f} | {f(r['mean_ttft_s'], '.3f')} "
                      f"| {f(None if r['mean_tpot_s'] is None else 1e3 * r['mean_tpot_s'], '.1f')} "
                      f"| {f(r['tokens_per_s'], '.1f')} | {f(r['acceptance'], '.3f')} | {r['mean_k']:.2f} |")
@@ -360,7 +364,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if "draft" in proposers else "")
     result = {
-        "meta": {"command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "model": built.name, "draft": draft_spec if "draft" in s.proposers else None, "settings": dataclasses.asdict(s),
+        "meta": {"command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "model": built.name,
+                 "draft": draft_spec if "draft" in s.proposers else None, "settings": dataclasses.asdict(s),
                  "wall_s": time.time() - started},
         "records": records, "checks": check_goals(records),
     }

@@ -21,7 +21,8 @@ from flax import nnx
 
 from benchmarks.common import decode_tokens, machine, measured_bandwidth_gbs
 from jaxspec.build import build_model
-from jaxspec.engine import Engine, EngineConfig, enable_compilation_cache
+from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.menu import Menu
 from models.loading import resolve_model
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     built = build_model(None)
     prompt = built.tokenizer.encode(built.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
-    engine = Engine(built.model, None, EngineConfig(num_slots=1, max_len=512, batch_buckets=(1,), k_menu=(0,),
+    engine = Engine(built.model, None, Menu(num_slots=1, max_len=512, batch_buckets=(1,), k_menu=(0,),
                                                     window_buckets=(512,), prefill_buckets=(64,)))
     engine.warmup(progress=False)
     times, ours = [], []

@@ -1,6 +1,6 @@
 """Draft study: acceptance, draft latency and end-to-end tokens/s through the real engine.
 
-    PYTHONPATH=. python benchmarks/draft_study.py --drafts drafts/smollm2-135m artifacts/drafts/deep4 \
+    PYTHONPATH=. python benchmarks/draft_study.py --drafts jaxspec/drafts/smollm2-135m artifacts/drafts/deep4 \
         --out artifacts/study.json
 
 For every draft (a directory written by `jaxspec distill`) on held-out ShareGPT chat prompts
@@ -26,19 +26,20 @@ import numpy as np
 
 from jaxspec import distill_data as dd
 from jaxspec.distill import _load_target, draft_step_latency, load_draft, measure_engine
-from jaxspec.engine import Engine, EngineConfig, enable_compilation_cache
+from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.menu import Menu, PrefillKey, StepKey
 from jaxspec.proposers.draft_model import DraftModelProposer
 
 
-def engine_config(ks, ks_b8) -> EngineConfig:
+def engine_config(ks, ks_b8) -> Menu:
     k_menu = tuple(sorted({0, *ks, *ks_b8}))
-    return EngineConfig(num_slots=8, max_len=256, batch_buckets=(1, 8), k_menu=k_menu, window_buckets=(256,),
+    return Menu(num_slots=8, max_len=256, batch_buckets=(1, 8), k_menu=k_menu, window_buckets=(256,),
                         prefill_buckets=(128,))
 
 
 def warm(engine: Engine, ks, ks_b8) -> float:
     t0 = time.time()
-    keys = [("step", 1, k, 256) for k in ks] + [("step", 8, k, 256) for k in ks_b8] + [("prefill", 128, 256)]
+    keys = [StepKey(1, k, 256) for k in ks] + [StepKey(8, k, 256) for k in ks_b8] + [PrefillKey(128, 256)]
     engine.warmup(keys, progress=False)
     return time.time() - t0
 
@@ -68,9 +69,9 @@ def main(argv=None) -> int:
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": loaded.config.name,
                "prompts": len(prompts), "max_tokens": args.max_tokens, "drafts": {}}
 
-    base = Engine(target, None, EngineConfig(num_slots=8, max_len=256, batch_buckets=(1, 8), k_menu=(0,),
+    base = Engine(target, None, Menu(num_slots=8, max_len=256, batch_buckets=(1, 8), k_menu=(0,),
                                              window_buckets=(256,), prefill_buckets=(128,)))
-    base.warmup([("step", 1, 0, 256), ("step", 8, 0, 256), ("prefill", 128, 256)], progress=False)
+    base.warmup([StepKey(1, 0, 256), StepKey(8, 0, 256), PrefillKey(128, 256)], progress=False)
     reference = measure_engine(base, prompts, 0, 8, 0.0, args.max_tokens, eos).outputs
     results["plain"] = {}
 
@@ -117,8 +118,9 @@ def main(argv=None) -> int:
         r["b1"] = {}
         for k in ks:
             r["b1"][k] = v = speed(*paired(engine, speed_prompts, k, 1))
-            print(f"{name} B=1 k={k}: {v['tok_s']:.1f} vs plain {v['plain_tok_s']:.1f} tok/s ({v['speedup']:.2f}x wall, "
-                  f"{v['cpu_speedup']:.2f}x cpu), alpha {v['alpha']:.3f}, accepted/proposed {v['accept']:.3f}", flush=True)
+            print(f"{name} B=1 k={k}: {v['tok_s']:.1f} vs plain {v['plain_tok_s']:.1f} tok/s "
+                  f"({v['speedup']:.2f}x wall, {v['cpu_speedup']:.2f}x cpu), alpha {v['alpha']:.3f}, "
+                  f"accepted/proposed {v['accept']:.3f}", flush=True)
         best_b1 = max(r["b1"].items(), key=lambda kv: kv[1]["speedup"]) if r["b1"] else None
         best_b8 = max(r["b8"].items(), key=lambda kv: kv[1]["speedup"])
         r["best_b1"] = best_b1 and {"k": best_b1[0], **best_b1[1]}

@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.cli import Settings, check_goals, markdown_table, sweep, _floats, _ints, _strs
+from benchmarks.cli import Settings, _floats, _ints, _strs, check_goals, markdown_table, sweep
 
 
 def main(argv=None) -> int:
@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     q = args.quick
     settings = Settings(
-        workloads=tuple(args.workloads[:2] if q else args.workloads), proposers=("noisy",), policies=tuple(args.policies),
+        workloads=tuple(args.workloads[:2] if q else args.workloads), proposers=("noisy",),
+        policies=tuple(args.policies),
         rates=None, fractions=tuple(args.fractions[::2] if q else args.fractions), closed_loop=None,
         requests=3 if q else args.requests, max_tokens=8 if q else args.max_tokens,
         max_prompt_tokens=min(args.max_prompt_tokens, 200) if q else args.max_prompt_tokens,

@@ -26,8 +26,8 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import grpc
 import numpy as np

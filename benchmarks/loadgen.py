@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxspec.scheduler import FinishReason, Request, Scheduler
+from jaxspec.requests import FinishReason, Request
+from jaxspec.scheduler import Scheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,8 @@ def run_open_loop(scheduler: Scheduler, requests: Sequence[Request], arrivals: S
         now = clock() - t0
         while nxt < len(order) and arrivals[order[nxt]] <= now:
             i = int(order[nxt])
-            handles[requests[i].request_id] = (scheduler.submit(requests[i], stream=False), float(arrivals[i]), clock() - t0)
+            handle = scheduler.submit(requests[i], stream=False)
+            handles[requests[i].request_id] = (handle, float(arrivals[i]), clock() - t0)
             nxt += 1
         if not handles:  # idle: wait for the next arrival
             sleep(max(0.0, float(arrivals[order[nxt]]) - (clock() - t0)))

@@ -26,10 +26,12 @@ import numpy as np
 
 from jaxspec import compile_counter
 from jaxspec.build import build_model, build_proposer
-from jaxspec.engine import Engine, EngineConfig, enable_compilation_cache
+from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.menu import Menu
 from jaxspec.policy.base import Policy
 from jaxspec.policy.fixed import FixedPolicy, NoSpeculation
-from jaxspec.scheduler import Request, Scheduler, SchedulerConfig
+from jaxspec.requests import Request
+from jaxspec.scheduler import Scheduler, SchedulerConfig
 from jaxspec.types import SamplingParams
 
 TOPICS = ["a lighthouse keeper", "the history of tea", "how rainbows form", "a robot learning to paint",
@@ -101,7 +103,8 @@ def run_batch(engine: Engine, tokenizer, policy: Policy, prompts, params: Sampli
 
 def markdown(rows: list[Row], title: str) -> str:
     base = {r.bucket: r.tokens_per_s for r in rows if r.policy == "none"}
-    lines = [f"### {title}", "", "| bucket B | policy | requests | tokens | wall (s) | tokens/s | vs none | acceptance | mean k |",
+    lines = [f"### {title}", "",
+             "| bucket B | policy | requests | tokens | wall (s) | tokens/s | vs none | acceptance | mean k |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         speedup = f"{r.tokens_per_s / base[r.bucket]:.2f}×" if r.bucket in base else "–"
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model spec (default: the embedded default model)")
     parser.add_argument("--proposer", choices=("ngram", "draft"), default="ngram")
-    parser.add_argument("--draft", default=None, help="draft spec for --proposer draft (self, truncated:N, default, ...)")
+    parser.add_argument("--draft", default=None,
+                        help="draft spec for --proposer draft (self, truncated:N, default, ...)")
     parser.add_argument("--ks", type=parse_ints, default=(2, 4), help="fixed k values, comma-separated")
     parser.add_argument("--buckets", type=parse_ints, default=(1, 4, 16), help="batch buckets, comma-separated")
     parser.add_argument("--prompts", type=int, default=32, help="requests in the batch")
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     compile_counter.install()
     built = build_model(args.model, seed=args.seed)
     windows = args.windows or tuple(sorted({min(256, args.max_len), args.max_len}))
-    menu = EngineConfig(num_slots=max(args.buckets), max_len=args.max_len, batch_buckets=args.buckets, k_menu=(0,),
+    menu = Menu(num_slots=max(args.buckets), max_len=args.max_len, batch_buckets=args.buckets, k_menu=(0,),
                         window_buckets=windows, prefill_buckets=tuple(p for p in args.prefill if p <= args.max_len))
     prompts = make_prompts(args, built.tokenizer, built.model.config.vocab_size)
     longest = max(len(p) for p in prompts)
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     plain.warmup()
     spec.warmup()
-    print(f"warm-up: {len(plain.menu()) + len(spec.menu())} shapes in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    shapes = len(plain.shape_keys()) + len(spec.shape_keys())
+    print(f"warm-up: {shapes} shapes in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     rows = []
     for bucket in args.buckets:

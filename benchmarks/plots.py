@@ -29,7 +29,8 @@ def plot_records(records: list[dict], out_dir: str | Path, prefix: str = "bench"
         fig, axes = plt.subplots(1, len(workloads), figsize=(3.6 * len(workloads), 3.2), squeeze=False)
         for ax, w in zip(axes[0], workloads):
             for policy in dict.fromkeys(r["policy"] for r in rows if r["workload"] == w):
-                pts = sorted((r[xkey], r["mean_latency_s"]) for r in rows if r["workload"] == w and r["policy"] == policy)
+                pts = sorted((r[xkey], r["mean_latency_s"]) for r in rows
+                             if r["workload"] == w and r["policy"] == policy)
                 color, marker = STYLE.get(policy, (None, "."))
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=policy,
                         linewidth=2.2 if policy.startswith("goodput") else 1.2)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from benchmarks.common import decode_tokens, machine
 from jaxspec.build import build_model
-from jaxspec.engine import Engine, EngineConfig, enable_compilation_cache
+from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.menu import Menu
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     built = build_model(None)
     tok = built.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY_PROMPT}]))
-    config = EngineConfig(num_slots=1, max_len=512, batch_buckets=(1,), k_menu=(0,) + ks,
+    config = Menu(num_slots=1, max_len=512, batch_buckets=(1,), k_menu=(0,) + ks,
                           window_buckets=(512,), prefill_buckets=(128,))
     plain = Engine(built.model, None, config)
     plain.warmup(progress=True)

@@ -22,8 +22,8 @@ import dataclasses
 import gzip
 import importlib.metadata
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -127,7 +127,8 @@ def _sql_question(tables: dict, rng: np.random.Generator) -> str:
     ]
     if len(names) > 1:
         other = names[(names.index(table) + 1) % len(names)]
-        templates.append(f"Join {table} with {other} on their shared key and list {a} with the matching rows of {other}.")
+        templates.append(f"Join {table} with {other} on their shared key and list {a} "
+                         f"with the matching rows of {other}.")
     return templates[int(rng.integers(len(templates)))]
 
 

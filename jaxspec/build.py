@@ -9,15 +9,16 @@ from pathlib import Path
 import yaml
 
 from jaxspec.config_file import check_fields
-from jaxspec.engine import Engine, EngineConfig
+from jaxspec.engine import Engine
+from jaxspec.menu import Menu
 from jaxspec.proposers.base import Proposer
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.resources import config_file
 from models.llama import Llama, from_hf_state_dict, random_model, to_hf_state_dict
 from models.loading import ModelLoadError, TextTokenizer, load_model, resolve_model
 
 PROPOSERS = ("none", "draft", "ngram")
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def model_cache_dir() -> str:
@@ -62,7 +63,8 @@ def build_draft(spec: str, target: Llama) -> Llama:
     return build_model(spec).model
 
 
-def build_proposer(kind: str, target: Llama, draft: str | None = None, ngram: tuple[int, int] = (1, 3)) -> Proposer | None:
+def build_proposer(kind: str, target: Llama, draft: str | None = None,
+                   ngram: tuple[int, int] = (1, 3)) -> Proposer | None:
     if kind == "none":
         return None
     if kind == "ngram":
@@ -72,8 +74,8 @@ def build_proposer(kind: str, target: Llama, draft: str | None = None, ngram: tu
     raise ValueError(f"unknown proposer {kind!r}; choose one of {', '.join(PROPOSERS)}")
 
 
-def load_engine_config(name_or_path: str | None = None, **overrides) -> EngineConfig:
-    """An EngineConfig from configs/engine.yaml (a named menu) or a YAML file, with overrides."""
+def load_menu(name_or_path: str | None = None, **overrides) -> Menu:
+    """A named menu of jaxspec/configs/engine.yaml, or a YAML file with the same keys, with overrides."""
     name_or_path = name_or_path or "default"
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml"):
@@ -81,22 +83,22 @@ def load_engine_config(name_or_path: str | None = None, **overrides) -> EngineCo
             raise FileNotFoundError(f"engine config {path} does not exist")
         values = yaml.safe_load(path.read_text()) or {}
     else:
-        menus = yaml.safe_load((CONFIG_DIR / "engine.yaml").read_text())
+        menus = yaml.safe_load(config_file("engine.yaml").read_text())
         if name_or_path not in menus:
             raise KeyError(f"unknown engine menu {name_or_path!r}; known: {', '.join(menus)}")
         values = menus[name_or_path]
-    values = check_fields(EngineConfig, values, f"engine config {name_or_path}")
+    values = check_fields(Menu, values, f"engine config {name_or_path}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return EngineConfig(**values)
+    return Menu(**values)
 
 
 def build_engine(model: str | None = None, proposer: str = "none", draft: str | None = None,
-                 config: EngineConfig | None = None) -> tuple[Engine, TextTokenizer | None]:
+                 menu: Menu | None = None) -> tuple[Engine, TextTokenizer | None]:
     built = build_model(model)
     prop = build_proposer(proposer, built.model, draft)
-    return Engine(built.model, prop, config or load_engine_config()), built.tokenizer
+    return Engine(built.model, prop, menu or load_menu()), built.tokenizer
 
 
-__all__ = ["build_engine", "build_model", "build_proposer", "build_draft", "load_engine_config",
+__all__ = ["build_engine", "build_model", "build_proposer", "build_draft", "load_menu",
            "truncated_copy", "ModelLoadError", "PROPOSERS"]

@@ -1,4 +1,4 @@
-"""Counts XLA backend compilations in this process (DESIGN.md §4).
+"""Counts XLA backend compilations in this process (docs/design.md, "Static shapes").
 
 After warm-up the serving loop must compile nothing: every step and prefill runs an
 executable compiled ahead of time. Any jit or eager op that reaches the backend compiler

@@ -16,7 +16,8 @@ So the concatenation of everything `push` and `finish` return equals the final `
 from __future__ import annotations
 
 import codecs
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 
 class ByteTokenizer(Protocol):

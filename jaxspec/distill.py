@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -31,13 +30,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxspec.resources import draft_arch_file, draft_archs, shipped_draft_dir
 from models.config import ModelConfig
 from models.draft import DraftLlama, load_trainable_state, trainable_state
 from models.llama import Llama
 
-REPO = Path(__file__).resolve().parents[1]
-ARCH_DIR = REPO / "configs" / "drafts"
-SHIPPED_DIR = REPO / "drafts"
+ARTIFACTS = Path("artifacts")  # relative to the working directory: model cache, shards, checkpoints
 DEFAULT_ARCH = "wide2"
 FORMAT = "jaxspec-draft"
 REBUILD_COMMAND = "jaxspec distill  (or: PYTHONPATH=. python -m jaxspec.distill)"
@@ -48,7 +46,7 @@ REBUILD_COMMAND = "jaxspec distill  (or: PYTHONPATH=. python -m jaxspec.distill)
 
 @dataclasses.dataclass(frozen=True)
 class DraftArch:
-    """A draft architecture (configs/drafts/*.yaml). Width = hidden_size; the embedding
+    """A draft architecture (jaxspec/configs/drafts/*.yaml). Width = hidden_size; the embedding
     width is the target's (projections are added when they differ)."""
 
     name: str
@@ -62,21 +60,18 @@ class DraftArch:
     init_layers: tuple[int, ...] | None = None  # target layers to copy (needs the target's shapes)
 
     @classmethod
-    def load(cls, spec: str | Path) -> "DraftArch":
-        """A YAML path, or a name under configs/drafts/."""
+    def load(cls, spec: str | Path) -> DraftArch:
+        """A YAML path, or a name under jaxspec/configs/drafts/."""
         import yaml
 
         path = Path(spec)
         if not path.is_file():
-            path = ARCH_DIR / f"{spec}.yaml"
-        if not path.is_file():
-            known = ", ".join(sorted(p.stem for p in ARCH_DIR.glob("*.yaml")))
-            raise FileNotFoundError(f"unknown draft architecture {spec!r} (known: {known})")
+            path = draft_arch_file(str(spec))  # FileNotFoundError naming the known architectures
         raw = yaml.safe_load(path.read_text()) or {}
         return cls.from_dict(raw)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "DraftArch":
+    def from_dict(cls, raw: dict[str, Any]) -> DraftArch:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(raw) - fields
         if unknown:
@@ -113,7 +108,7 @@ def build_draft(target: Llama, arch: DraftArch, keep_ids=None, seed: int = 0) ->
         if not same or len(arch.init_layers) != arch.num_layers:
             raise ValueError("init_layers needs the target's layer shapes and one index per draft layer")
         idx = np.asarray(arch.init_layers)
-        for name in draft._layer_params():
+        for name in draft.stacked_weight_names():
             getattr(draft, name).value = getattr(target, name).value[idx]
         draft.final_norm.value = target.final_norm.value
     return draft
@@ -312,7 +307,7 @@ def load_draft(path: str | Path, target: Llama) -> DraftLlama:
 
 
 def shipped_draft_path(target_config: ModelConfig) -> Path:
-    return SHIPPED_DIR / target_config.name
+    return shipped_draft_dir(target_config.name)
 
 
 def load_shipped_draft(target_config: ModelConfig, target: Llama | None = None) -> DraftLlama:
@@ -341,7 +336,7 @@ class EngineMeasure:
     """Definitions (row-steps = one row in one engine step):
     alpha       per-token acceptance = P(draft token accepted | all before it accepted), the
                 geometric-model MLE Σ accepted / (Σ accepted + #row-steps with a rejection);
-                this is the α of E(k) = (1 - α^(k+1)) / (1 - α) (DESIGN.md §7). Equals
+                this is the α of E(k) = (1 - α^(k+1)) / (1 - α) (docs/design.md, "The goodput policy"). Equals
                 accept_rate at k = 1.
     accept_rate Σ accepted / Σ proposed (fraction of proposed draft tokens kept; falls with k).
     tokens_per_step  Σ emitted / #row-steps.
@@ -378,7 +373,7 @@ class EngineMeasure:
     def cpu_tok_s(self) -> float:
         return self.emitted / self.cpu_seconds if self.cpu_seconds else float("nan")
 
-    def merge(self, other: "EngineMeasure") -> "EngineMeasure":
+    def merge(self, other: EngineMeasure) -> EngineMeasure:
         for f in ("accepted", "proposed", "rejections", "emitted", "row_steps", "seconds", "cpu_seconds"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.outputs += other.outputs
@@ -456,9 +451,13 @@ def draft_step_latency(draft: DraftLlama, batch: int, window: int = 256, reps: i
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="target model spec (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--arch", default=DEFAULT_ARCH, help="draft architecture: a configs/drafts name or YAML")
-    parser.add_argument("--out", default=None, help="output directory (default: drafts/<target name>)")
-    parser.add_argument("--work", default=None, help="work dir for shards/checkpoints (default: artifacts/distill/<arch>)")
+    parser.add_argument("--arch", default=DEFAULT_ARCH,
+                        help=f"draft architecture: a YAML path or one of {', '.join(draft_archs())}")
+    parser.add_argument("--out", default=None,
+                        help="output directory (default: the shipped draft, jaxspec/drafts/<target name> inside the "
+                             "installed package; in an editable install that is the repository's jaxspec/drafts/)")
+    parser.add_argument("--work", default=None,
+                        help="work dir for shards/checkpoints (default: artifacts/distill/<arch> here)")
     parser.add_argument("--data", default=None, help="shard directory to reuse (default: <work>/../data)")
     parser.add_argument("--prompts", type=int, default=640, help="training prompts (ShareGPT + HumanEval)")
     parser.add_argument("--code-prompts", type=int, default=32, help="of which HumanEval stubs")
@@ -484,7 +483,7 @@ def _load_target(spec):
     from models.llama import from_hf_state_dict
     from models.loading.registry import load_model
 
-    loaded = load_model(spec, cache_dir=REPO / "artifacts" / "model_cache")
+    loaded = load_model(spec, cache_dir=ARTIFACTS / "model_cache")
     return from_hf_state_dict(loaded.config, loaded.state_dict), loaded
 
 
@@ -497,9 +496,9 @@ def run(args: argparse.Namespace) -> int:
         arch = dataclasses.replace(arch, vocab_keep=args.vocab_keep)
     target, loaded = _load_target(args.model)
     tok, tconf = loaded.tokenizer, loaded.config
-    work = Path(args.work or REPO / "artifacts" / "distill" / arch.name)
+    work = Path(args.work or ARTIFACTS / "distill" / arch.name)
     data_dir = Path(args.data or work.parent / f"data-{tconf.name}")
-    out = Path(args.out or SHIPPED_DIR / tconf.name)
+    out = Path(args.out or shipped_draft_dir(tconf.name))
     progress = not args.no_progress
 
     n_code = min(args.code_prompts, args.prompts)
@@ -539,9 +538,12 @@ def run(args: argparse.Namespace) -> int:
     after = trainer.eval_loss(heldout) if heldout is not None else None
     meta = {"recipe": {"command": f"jaxspec distill --arch {args.arch} --steps {args.steps} --batch {args.batch} "
                                   f"--lr {args.lr} --prompts {args.prompts} --gen-len {args.gen_len} "
-                                  f"--top-k {args.top_k} --data-minutes {args.data_minutes} --tf-minutes {args.tf_minutes}",
+                                  f"--top-k {args.top_k} --data-minutes {args.data_minutes} "
+                                  f"--tf-minutes {args.tf_minutes}",
                        "train_sequences": int(len(train["tokens"])),
-                       "onpolicy_shards": len(shards) - (heldout is not None), "tf_shards": len(train_shards) - len(shards) + (heldout is not None), "train_tokens": int(train["mask"].sum()),
+                       "onpolicy_shards": len(shards) - (heldout is not None),
+                       "tf_shards": len(train_shards) - len(shards) + (heldout is not None),
+                       "train_tokens": int(train["mask"].sum()),
                        "steps": args.steps, "batch": args.batch, "lr": args.lr, "seed": args.seed,
                        "data_seconds": round(t_data), "total_seconds": round(time.time() - t_start)},
             "heldout_kl_top1_before": before, "heldout_kl_top1_after": after,

@@ -21,8 +21,8 @@ import importlib.metadata
 import json
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -157,7 +157,7 @@ class TargetGenerator:
         self._run = jax.jit(run)
 
     def generate(self, prompts: list[list[int]], eos_ids: tuple[int, ...]) -> dict[str, np.ndarray]:
-        r, p, n, k = self.rows, self.p, self.n, self.k
+        r, p, n = self.rows, self.p, self.n
         if not prompts or len(prompts) > r:
             raise ValueError(f"need 1..{r} prompts")
         tokens = np.zeros((r, p), np.int32)

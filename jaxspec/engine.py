@@ -1,9 +1,12 @@
-"""The engine contract: prefill / step over a precompiled static-shape menu (DESIGN.md §4, §6).
+"""The compiled JAX engine: prefill / step over a precompiled static-shape menu.
+
+It satisfies the engine contract (`jaxspec.engine_api.EngineAPI`; docs/design.md, "The engine
+contract" and "The speculative step").
 
 Static (one executable each): batch bucket B, speculation length k, attention window W,
 prefill chunk C. Traced: slot ids, lengths, per-row k caps, sampling parameters, seeds.
 `warmup()` compiles the whole menu ahead of time; a shape outside it raises `MenuMissError`.
-A step runs at the shape `jaxspec.policy.shape.step_shape` gives (the smallest menu k ≥ the
+A step runs at the shape `jaxspec.menu.Menu.step_shape` gives (the smallest menu k ≥ the
 largest row cap, the window of max_i(len_i + cap_i) + 1): the function the policies price steps
 and file their timings with.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,61 +32,13 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxspec import sampling
-from jaxspec.policy.shape import step_shape
+from jaxspec.engine_api import prefill_prompt
+from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, MenuMissError, PrefillKey, ShapeKey, StepKey
 from jaxspec.proposers.base import NoProposer, Proposer, StepContext, empty_proposals
 from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, StepResult
 from jaxspec.verify import RESIDUAL_KEY, verify
 from models.kv_cache import init_cache
 from models.llama import Llama, chain_inputs, serving_split
-
-
-class MenuMissError(LookupError):
-    """A shape was requested that the warm-up did not compile."""
-
-
-class CapacityError(ValueError):
-    """A request does not fit the cache (prompt + generation beyond max_len)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """The static shape menu and cache size."""
-
-    num_slots: int = 8
-    max_len: int = 1024
-    batch_buckets: tuple[int, ...] = (1, 4, 8)
-    k_menu: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 8)
-    window_buckets: tuple[int, ...] = (256, 1024)
-    prefill_buckets: tuple[int, ...] = (32, 128)
-
-    def __post_init__(self):
-        for name in ("batch_buckets", "k_menu", "window_buckets", "prefill_buckets"):
-            values = getattr(self, name)
-            if not values or list(values) != sorted(set(values)):
-                raise ValueError(f"{name} must be a non-empty increasing tuple, got {values}")
-        if self.batch_buckets[-1] > self.num_slots:
-            raise ValueError(f"largest batch bucket {self.batch_buckets[-1]} > num_slots {self.num_slots}")
-        if self.window_buckets[-1] != self.max_len:
-            raise ValueError(f"the largest window bucket must equal max_len={self.max_len}, "
-                             f"got {self.window_buckets}")
-        if self.k_menu[0] < 0:
-            raise ValueError("k_menu values must be >= 0")
-        if self.prefill_buckets[-1] > self.max_len:
-            raise ValueError("prefill buckets must be <= max_len")
-
-    @property
-    def max_k(self) -> int:
-        return self.k_menu[-1]
-
-    def replace(self, **changes) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)
-
-
-def smallest_at_least(buckets: Iterable[int], needed: int, what: str) -> int:
-    for b in buckets:
-        if b >= needed:
-            return b
-    raise MenuMissError(f"no {what} bucket >= {needed} in the menu {tuple(buckets)}")
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -95,6 +50,36 @@ def enable_compilation_cache(path: str | None = None) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillInputs:
+    """One prompt chunk for one slot, as the prefill executable takes it.
+
+    slot, start, n_valid: [1] int32 (cache slot, first position, real tokens in the chunk);
+    tokens: [1, C] int32 (padded past n_valid); is_last: [] bool (the prompt's last chunk: draw
+    the first token); temperature, top_p: [1] float32; top_k, seed: [1] int32.
+    """
+
+    slot: jax.Array
+    tokens: jax.Array
+    start: jax.Array
+    n_valid: jax.Array
+    is_last: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    seed: jax.Array
+
+    @classmethod
+    def spec(cls, chunk: int) -> PrefillInputs:
+        """Abstract shapes for compiling the chunk-C executable."""
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        return cls(slot=i32(1), tokens=i32(1, chunk), start=i32(1), n_valid=i32(1),
+                   is_last=jax.ShapeDtypeStruct((), jnp.bool_), temperature=f32(1), top_p=f32(1), top_k=i32(1),
+                   seed=i32(1))
 
 
 @dataclasses.dataclass
@@ -110,16 +95,20 @@ class CatchUpTotals:
 
 
 class Engine:
-    """Owns the device state and the compiled menu for one target (+ proposer)."""
+    """Owns the device state and the compiled menu for one target (+ proposer); an `EngineAPI`."""
 
-    def __init__(self, target: Llama, proposer: Proposer | None = None, config: EngineConfig = EngineConfig()):
-        self.config = config
+    def __init__(self, target: Llama, proposer: Proposer | None = None, menu: Menu = Menu()):
         self.model_config = target.config
         self.proposer = proposer or NoProposer()
-        if isinstance(self.proposer, NoProposer) and config.k_menu != (0,):
+        if isinstance(self.proposer, NoProposer) and menu.k_menu != (0,):
             # a plain engine can only take k = 0: compile just that (a k > 0 step then raises MenuMissError)
-            config = config.replace(k_menu=(0,))
-            self.config = config
+            menu = menu.replace(k_menu=(0,))
+        self.menu = menu
+        self.model_name = target.config.name
+        self.vocab_size = target.config.vocab_size
+        self.eos_token_ids = tuple(target.config.eos_token_ids)
+        draft_config = getattr(self.proposer, "config", None)  # a draft model's
+        self.proposer_name = self.proposer.name if draft_config is None else f"{self.proposer.name}:{draft_config.name}"
         draft_config = getattr(self.proposer, "config", None)
         if draft_config is not None and draft_config.vocab_size != target.config.vocab_size:
             raise ValueError(
@@ -128,16 +117,16 @@ class Engine:
         # per-layer weight arrays (unrolled layers, no per-step slice copies), stored once
         self._graphdef, self._params = serving_split(target)
         self._proposer_params = self.proposer.params()
-        self._executables: dict[tuple, Callable] = {}
-        self.lengths = np.zeros(config.num_slots, np.int64)  # host mirror of committed lengths
-        self.proposer_lengths = np.zeros(config.num_slots, np.int64)  # host mirror: what the proposer saw
+        self._executables: dict[ShapeKey, Callable] = {}
+        self.lengths = np.zeros(menu.num_slots, np.int64)  # host mirror of committed lengths
+        self.proposer_lengths = np.zeros(menu.num_slots, np.int64)  # host mirror: what the proposer saw
         self.catch_up_totals = CatchUpTotals()
         self.state = self._init_state()
 
     # --- state ---------------------------------------------------------------------
 
     def _init_state(self) -> DecodeState:
-        c = self.config
+        c = self.menu
         s1 = c.num_slots + 1
         return DecodeState(
             cache=init_cache(self.model_config, c.num_slots, c.max_len),
@@ -151,7 +140,7 @@ class Engine:
 
     @property
     def scratch_slot(self) -> int:
-        return self.config.num_slots
+        return self.menu.num_slots
 
     # --- traced bodies -------------------------------------------------------------
 
@@ -209,9 +198,10 @@ class Engine:
     def _prefill_body(self, chunk: int, window: int):
         proposer = self.proposer
 
-        def body(target_params, proposer_params, state: DecodeState, slot, tokens, start, n_valid, is_last,
-                 temperature, top_p, top_k, seed):
-            # slot, start, n_valid: [1]; tokens: [1, C]; is_last: [] bool; sampling values: [1]
+        def body(target_params, proposer_params, state: DecodeState, chunk_in: PrefillInputs):
+            slot, tokens, start, n_valid, is_last = (chunk_in.slot, chunk_in.tokens, chunk_in.start,
+                                                     chunk_in.n_valid, chunk_in.is_last)  # see PrefillInputs
+            temperature, top_p, top_k, seed = chunk_in.temperature, chunk_in.top_p, chunk_in.top_k, chunk_in.seed
             target, layers = nnx.merge(self._graphdef, target_params[0]), target_params[1]
             params = SlotParams(temperature=state.params.temperature.at[slot].set(temperature),
                                 top_p=state.params.top_p.at[slot].set(top_p),
@@ -259,37 +249,34 @@ class Engine:
 
     # --- compilation ---------------------------------------------------------------
 
-    def menu(self, batch_buckets=None, k_menu=None) -> list[tuple]:
-        """Every shape key of the menu: ('step', B, k, W) and ('prefill', C, W)."""
-        c = self.config
-        keys = [("step", b, k, w) for b in (batch_buckets or c.batch_buckets)
-                for k in (k_menu or c.k_menu) for w in c.window_buckets]
-        keys += [("prefill", ch, w) for ch in c.prefill_buckets for w in c.window_buckets if w >= ch]
-        if self.proposer.tracks_context and any(k > 0 for k in (k_menu or c.k_menu)):
-            keys += [("catchup", ch, w) for ch in c.prefill_buckets for w in c.window_buckets if w >= ch]
+    def shape_keys(self, batch_buckets: Sequence[int] | None = None,
+                   k_menu: Sequence[int] | None = None) -> list[ShapeKey]:
+        """Every shape of the menu (or of the given batch buckets / k values): steps, prefill
+        chunks, and draft catch-up chunks when the proposer tracks context and some k > 0."""
+        m = self.menu
+        keys: list[ShapeKey] = [*m.step_keys(batch_buckets, k_menu), *m.prefill_keys()]
+        if self.proposer.tracks_context and any(k > 0 for k in (k_menu or m.k_menu)):
+            keys += m.catch_up_keys()
         return keys
 
-    def _compile(self, key: tuple) -> Callable:
+    def _compile(self, key: ShapeKey) -> Callable:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-        if key[0] == "step":
-            _, b, k, w = key
-            fn = jax.jit(self._step_body(k, w), donate_argnums=(2,))
-            lowered = fn.lower(self._params, self._proposer_params, self.state, i32(b), i32(b))
-        elif key[0] == "catchup":
-            _, ch, w = key
-            fn = jax.jit(self._catch_up_body(ch, w), donate_argnums=(1,))
+        if isinstance(key, StepKey):
+            fn = jax.jit(self._step_body(key.k, key.window), donate_argnums=(2,))
+            lowered = fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch))
+        elif isinstance(key, CatchUpKey):
+            fn = jax.jit(self._catch_up_body(key.chunk, key.window), donate_argnums=(1,))
             lowered = fn.lower(self._proposer_params, self.state, i32(1), i32(1), i32(1))
+        elif isinstance(key, PrefillKey):
+            fn = jax.jit(self._prefill_body(key.chunk, key.window), donate_argnums=(2,))
+            lowered = fn.lower(self._params, self._proposer_params, self.state, PrefillInputs.spec(key.chunk))
         else:
-            _, ch, w = key
-            fn = jax.jit(self._prefill_body(ch, w), donate_argnums=(2,))
-            lowered = fn.lower(self._params, self._proposer_params, self.state, i32(1), i32(1, ch), i32(1), i32(1),
-                               jax.ShapeDtypeStruct((), jnp.bool_), f32(1), f32(1), i32(1), i32(1))
+            raise TypeError(f"not a shape key: {key!r}")
         return lowered.compile()
 
-    def warmup(self, keys: list[tuple] | None = None, progress: bool = True) -> int:
+    def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True) -> int:
         """Compile the menu ahead of time. Any failure raises. Returns the number compiled."""
-        keys = [k for k in (keys or self.menu()) if k not in self._executables]
+        keys = [k for k in (keys or self.shape_keys()) if k not in self._executables]
         for key in tqdm(keys, desc="compiling menu", unit="shape", disable=not progress or not keys,
                         leave=False):
             try:
@@ -298,13 +285,13 @@ class Engine:
                 raise RuntimeError(f"compiling {key} failed: {exc}") from exc
         return len(keys)
 
-    def _executable(self, key: tuple) -> Callable:
+    def _executable(self, key: ShapeKey) -> Callable:
         try:
             return self._executables[key]
         except KeyError:
-            raise MenuMissError(f"shape {key} was not compiled in warm-up (menu: "
-                                f"B={self.config.batch_buckets}, k={self.config.k_menu}, "
-                                f"W={self.config.window_buckets}, C={self.config.prefill_buckets})") from None
+            m = self.menu
+            raise MenuMissError(f"shape {key} was not compiled in warm-up (menu: B={m.batch_buckets}, "
+                                f"k={m.k_menu}, W={m.window_buckets}, C={m.prefill_buckets})") from None
 
     # --- the contract ----------------------------------------------------------------
 
@@ -313,54 +300,42 @@ class Engine:
         """Prefill `tokens` of a prompt into `slot` at positions start..; on the last chunk
         returns the first generated token (else None)."""
         n = len(tokens)
-        chunk = smallest_at_least(self.config.prefill_buckets, n, "prefill")
-        if start + n > self.config.max_len:
-            raise CapacityError(f"prompt of {start + n} tokens exceeds max_len {self.config.max_len}")
-        window = smallest_at_least(self.config.window_buckets, min(start + chunk, self.config.max_len), "window")
-        padded = np.zeros((1, chunk), np.int32)
+        if start + n > self.menu.max_len:
+            raise CapacityError(f"prompt of {start + n} tokens exceeds max_len {self.menu.max_len}")
+        key = self.menu.prefill_key(start, n)
+        padded = np.zeros((1, key.chunk), np.int32)  # [1, C]
         padded[0, :n] = tokens
-        fn = self._executable(("prefill", chunk, window))
-        self.state, first = fn(
-            self._params, self._proposer_params, self.state, np.array([slot], np.int32), padded,
-            np.array([start], np.int32), np.array([n], np.int32), np.bool_(is_last),
-            np.array([params.temperature], np.float32), np.array([params.top_p], np.float32),
-            np.array([params.top_k], np.int32), np.array([seed], np.int32))
+        chunk_in = PrefillInputs(
+            slot=np.array([slot], np.int32), tokens=padded, start=np.array([start], np.int32),
+            n_valid=np.array([n], np.int32), is_last=np.bool_(is_last),
+            temperature=np.array([params.temperature], np.float32), top_p=np.array([params.top_p], np.float32),
+            top_k=np.array([params.top_k], np.int32), seed=np.array([seed], np.int32))
+        self.state, first = self._executable(key)(self._params, self._proposer_params, self.state, chunk_in)
         self.lengths[slot] = start + n
         self.proposer_lengths[slot] = start + n
         return int(np.asarray(first)[0]) if is_last else None
 
-    def prefill(self, slot: int, prompt: list[int], params: SamplingParams, seed: int | None = None) -> int:
-        """Whole-prompt prefill in chunks of the largest bucket. Returns the first token.
+    def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams, seed: int | None = None) -> int:
+        """Whole-prompt prefill (`engine_api.prefill_prompt`). Returns the first token.
         The PRNG seed is `seed`, else `params.seed`, else 0."""
-        seed = seed if seed is not None else (params.seed if params.seed is not None else 0)
         if not prompt:
             raise ValueError("empty prompt")
-        if len(prompt) + 1 > self.config.max_len:
-            raise CapacityError(f"prompt of {len(prompt)} tokens does not fit max_len {self.config.max_len}")
-        largest = self.config.prefill_buckets[-1]
-        first = None
-        for start in range(0, len(prompt), largest):
-            piece = np.asarray(prompt[start:start + largest], np.int32)
-            first = self.prefill_chunk(slot, piece, start, start + largest >= len(prompt), params, seed)
-        return first
+        seed = seed if seed is not None else (params.seed if params.seed is not None else 0)
+        return prefill_prompt(self, slot, prompt, params, seed)
 
-    def step(self, slot_ids: list[int], k: int, row_k: list[int] | None = None) -> StepResult:
+    def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> StepResult:
         """One speculative step (k = 0: plain decoding) for the given slots.
 
         Row i verifies at most min(k, row_k[i]) proposals. The step runs at the shape
-        `step_shape` gives: the smallest menu k ≥ every row's cap (rows all capped at 0 run the
+        `Menu.step_shape` gives: the smallest menu k ≥ every row's cap (rows all capped at 0 run the
         k = 0 executable, without draft catch-up) and the window of each row's own length + cap."""
-        n, c = len(slot_ids), self.config
-        b = smallest_at_least(c.batch_buckets, n, "batch")
-        if k not in c.k_menu:
-            raise MenuMissError(f"k={k} is not in the compiled menu k={c.k_menu}")
-        shape = step_shape(self.lengths[list(slot_ids)], row_k, k, c.k_menu, c.window_buckets)
-        if shape.needed > c.max_len:
-            raise CapacityError(f"a slot needs {shape.needed} cache positions > max_len {c.max_len}")
+        n = len(slot_ids)
+        b = self.menu.batch_bucket(n)
+        shape = self.menu.step_shape(self.lengths[list(slot_ids)], row_k, k)
         k_run = shape.k
-        caps = np.zeros((b,), np.int32)  # padding rows (scratch slot) propose nothing
+        caps = np.zeros((b,), np.int32)  # [B] padding rows (scratch slot) propose nothing
         caps[:n] = shape.caps
-        fn = self._executable(("step", b, k_run, shape.window))
+        fn = self._executable(StepKey(b, k_run, shape.window))
         catch_up_calls, catch_up_s = 0, 0.0
         if k_run > 0 and self.proposer.tracks_context:
             started = time.perf_counter()
@@ -381,34 +356,35 @@ class Engine:
         self.lengths[list(slot_ids)] += result.counts
         return result
 
-    def catch_up_plan(self, slot: int) -> list[tuple[int, int, int, int]]:
-        """The catch-up calls a speculating step would first run for this slot: (start, n,
-        chunk, window) each, feeding committed tokens the proposer missed during k = 0 steps in
-        prefill-bucket chunks until only what `propose` feeds itself is left ([] if none)."""
+    def catch_up_plan(self, slot: int) -> list[CatchUpCall]:
+        """The catch-up calls a speculating step would first run for this slot: committed tokens
+        the proposer missed during k = 0 steps, in prefill-bucket chunks, until only what
+        `propose` feeds itself is left ([] if none)."""
         if not self.proposer.tracks_context:
             return []
-        c, plan = self.config, []
-        seen, length = int(self.proposer_lengths[slot]), int(self.lengths[slot])
-        while length + 1 - seen > self.proposer.in_step_catch_up:
-            missing = length - seen
-            chunk = smallest_at_least(c.prefill_buckets, min(missing, c.prefill_buckets[-1]), "prefill")
-            window = smallest_at_least(c.window_buckets, min(seen + chunk, c.max_len), "window")
-            n = min(missing, chunk)
-            plan.append((seen, n, chunk, window))
-            seen += n
-        return plan
+        return self.menu.catch_up_plan(int(self.proposer_lengths[slot]), int(self.lengths[slot]),
+                                       self.proposer.in_step_catch_up)
 
-    def _catch_up(self, slot_ids: list[int]) -> int:
+    def _catch_up(self, slot_ids: Sequence[int]) -> int:
         """Run every slot's catch-up plan; returns the number of calls."""
         calls = 0
         for slot in slot_ids:
-            for start, n, chunk, window in self.catch_up_plan(slot):
-                fn = self._executable(("catchup", chunk, window))
-                self.state = fn(self._proposer_params, self.state, np.array([slot], np.int32),
-                                np.array([start], np.int32), np.array([n], np.int32))
-                self.proposer_lengths[slot] = start + n
+            for call in self.catch_up_plan(slot):
+                self.state = self._executable(call.key)(self._proposer_params, self.state, np.array([slot], np.int32),
+                                                        np.array([call.start], np.int32), np.array([call.n], np.int32))
+                self.proposer_lengths[slot] = call.start + call.n
                 calls += 1
         return calls
+
+    def length(self, slot: int) -> int:
+        return int(self.lengths[slot])
+
+    def room(self, slot: int) -> int:
+        return self.menu.room(int(self.lengths[slot]))
+
+    def state_lost(self) -> bool:
+        """True if a failed call consumed (donated) the device state."""
+        return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.state))
 
     def reset(self) -> None:
         """Empty every slot with fresh device state (e.g. after a failed call left the donated

@@ -10,7 +10,7 @@ step runs at the smallest menu k ≥ its largest row cap), d_j = T_full − T_ca
 c_B = median_j d_j / ((B−1)·k) if at least 3/4 of the d_j > 0 (a consistent saving), else 0 (a
 padded executable costs the same either way and timing noise must not invent a per-token price);
 c_real = median_B c_B seconds per verified token (0 with no B ≥ 2; see policy/cost_model.py).
-Every timed step is checked to run at the shape it is recorded under (`step_shape`, the function
+Every timed step is checked to run at the shape it is recorded under (`Menu.step_shape`, the function
 the engine runs steps with). `warmup()` runs first, so nothing compiles while timing. Profiling
 uses slots 0..max(B)−1 with dummy prompts and frees them at the end: run it before requests are
 admitted (at start-up), never on a serving engine.
@@ -26,13 +26,13 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from tqdm import tqdm
 
+from jaxspec.engine_api import prefill_prompt
 from jaxspec.policy.cost_model import CostEntry, CostProfile, ProfileKey, default_profile_dir
-from jaxspec.policy.shape import step_shape
 
 PROBE_PAIRS = 8  # minimum full/capped pairs per batch bucket in the real-token probe
 SIGNIFICANT_SHARE = 0.75  # share of pairs that must show a saving for c_real to count
@@ -45,13 +45,6 @@ def default_contexts(window_buckets: Sequence[int], k: int = 0) -> tuple[int, ..
     return tuple([1] + [max(1, prev - k) for prev in window_buckets[:-1]])
 
 
-def draft_name(engine) -> str:
-    """What the profile key calls the proposer: 'ngram', 'draft:<model>', ..."""
-    proposer = engine.proposer
-    config = getattr(proposer, "config", None)
-    return f"{proposer.name}:{config.name}" if config is not None else proposer.name
-
-
 def device_kind() -> str:
     import jax  # lazy: `jaxspec profile --help` should not start a backend
 
@@ -60,8 +53,8 @@ def device_kind() -> str:
 
 def profile_key(engine, kind: str | None = None) -> ProfileKey:
     """The key a profile of this engine is saved and looked up under."""
-    c = engine.config
-    return ProfileKey(device_kind=kind or device_kind(), model=engine.model_config.name, draft=draft_name(engine),
+    c = engine.menu
+    return ProfileKey(device_kind=kind or device_kind(), model=engine.model_name, draft=engine.proposer_name,
                       batch_buckets=c.batch_buckets, k_menu=c.k_menu, window_buckets=c.window_buckets)
 
 
@@ -73,7 +66,7 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    c = engine.config
+    c = engine.menu
     if contexts is not None:
         for ctx in contexts:
             if not 1 <= ctx <= c.max_len - c.k_menu[-1] - 1:
@@ -83,7 +76,7 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
         contexts_at = {k: default_contexts(c.window_buckets, k) for k in c.k_menu}
     engine.warmup(progress=progress)
 
-    vocab = engine.model_config.vocab_size
+    vocab = engine.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=c.max_len)
     slots = list(range(c.batch_buckets[-1]))
 
@@ -92,13 +85,13 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
         return [int(2 + (i % 7) % max(1, vocab - 2)) for i in range(ctx)]
 
     def shape_of(rows: list[int], k: int, row_k: list[int] | None):
-        return step_shape(engine.lengths[rows], row_k, k, c.k_menu, c.window_buckets)
+        return c.step_shape([engine.length(r) for r in rows], row_k, k)
 
     def ensure_window(rows: list[int], k: int, window: int, ctx: int, row_k: list[int] | None) -> None:
         shape = shape_of(rows, k, row_k)  # growth may also overrun the largest window
         if shape.needed > c.max_len or shape.window != window:
             for s in rows:
-                engine.prefill(s, prompt(ctx), params, seed=0)
+                prefill_prompt(engine, s, prompt(ctx), params, seed=0)
 
     def timed(rows: list[int], k: int, window: int, ctx: int, row_k: list[int] | None) -> float:
         ensure_window(rows, k, window, ctx, row_k)
@@ -121,7 +114,7 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
             for k in c.k_menu:
                 if ctx not in contexts_at[k]:
                     continue
-                w = step_shape([ctx], None, k, c.k_menu, c.window_buckets).window
+                w = c.step_shape([ctx], None, k).window
                 if (b, k, w) not in seen:
                     seen.add((b, k, w))
                     plan.append((ctx, b, k, w))
@@ -131,7 +124,7 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
     for ctx, b, k, w in tqdm(plan, desc="profiling steps", unit="shape", disable=not progress, leave=False):
         if ctx != prefilled_ctx:
             for s in slots:
-                engine.prefill(s, prompt(ctx), params, seed=0)
+                prefill_prompt(engine, s, prompt(ctx), params, seed=0)
             prefilled_ctx = ctx
         entries[(b, k, w)] = CostEntry(b, k, w, time_steps(slots[:b], k, w, ctx), repeats)
 
@@ -141,7 +134,7 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
     if real_token_probe and k_top > 0 and probed:
         per_token = []
         ctx = contexts_at[k_top][0]
-        w = step_shape([ctx], None, k_top, c.k_menu, c.window_buckets).window
+        w = c.step_shape([ctx], None, k_top).window
         pairs = max(repeats, PROBE_PAIRS)
         for b in tqdm(probed, desc="probing real-token cost", disable=not progress, leave=False):
             rows, capped = slots[:b], [k_top] + [0] * (b - 1)
@@ -168,12 +161,11 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="target model (default: the embedded default)")
-    parser.add_argument("--proposer", default="ngram", choices=("none", "draft", "ngram"),
-                        help="the proposer to profile (a profile is only valid for its proposer)")
-    parser.add_argument("--draft", default=None, help="draft model (with --proposer draft)")
-    parser.add_argument("--menu", default=None,
-                        help="engine menu: a name in configs/engine.yaml or a YAML file (default: 'default')")
+    from jaxspec.engine_args import EngineArgs  # the engine flags every command shares
+
+    # a profile is only valid for the proposer (and menu) it was measured with
+    EngineArgs.add_arguments(parser, only=("model", "proposer", "draft", "menu"), default_menu=None,
+                             defaults={"proposer": "ngram"})
     parser.add_argument("--batch-buckets", type=_ints, default=None, help="override the menu, e.g. 1,4,8")
     parser.add_argument("--k-menu", type=_ints, default=None, help="override the menu, e.g. 0,1,2,4")
     parser.add_argument("--window-buckets", type=_ints, default=None, help="override the menu, e.g. 256,1024")
@@ -189,11 +181,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_from_args(args: argparse.Namespace):
     """The engine `jaxspec profile` times: jaxspec.build.build_engine with the chosen menu."""
-    from jaxspec.build import build_engine, load_engine_config  # lazy: loads JAX and the model
+    from jaxspec.build import build_engine, load_menu  # lazy: loads JAX and the model
 
-    config = load_engine_config(args.menu, batch_buckets=args.batch_buckets, k_menu=args.k_menu,
+    config = load_menu(args.menu, batch_buckets=args.batch_buckets, k_menu=args.k_menu,
                                 window_buckets=args.window_buckets)
-    engine, _tokenizer = build_engine(model=args.model, proposer=args.proposer, draft=args.draft, config=config)
+    engine, _tokenizer = build_engine(model=args.model, proposer=args.proposer, draft=args.draft, menu=config)
     return engine
 
 

@@ -1,4 +1,4 @@
-"""Verification of proposals against the target's scores (DESIGN.md §6.3).
+"""Verification of proposals against the target's scores (docs/design.md, "The speculative step").
 
 Greedy rows: accept the longest prefix equal to the target's argmax, then the target's next
 token. Sampled rows: standard speculative rejection sampling — accept proposal i with

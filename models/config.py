@@ -50,7 +50,7 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else v * d
         return v * d + self.num_layers * per_layer + d + head
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -1,4 +1,4 @@
-"""Per-slot KV cache (DESIGN.md §5).
+"""Per-slot KV cache (docs/design.md, "The KV cache").
 
 Layout (one array per layer for keys, one for values)::
 
@@ -52,7 +52,7 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[1]
 
-    def with_lengths(self, slot_ids: jax.Array, new_lengths: jax.Array) -> "KVCache":
+    def with_lengths(self, slot_ids: jax.Array, new_lengths: jax.Array) -> KVCache:
         """Set `lengths[slot_ids] = new_lengths` (commit or roll back; no KV copy)."""
         # lengths: [S+1]; slot_ids, new_lengths: [B]
         return dataclasses.replace(self, lengths=self.lengths.at[slot_ids].set(new_lengths))

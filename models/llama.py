@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -72,10 +72,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 ServingParams = tuple  # (nnx.State with empty stacked placeholders, per-layer weights from `layer_weights`)
 
 
-_SERVING_SPLITS: "weakref.WeakKeyDictionary[Llama, tuple]" = weakref.WeakKeyDictionary()
+_SERVING_SPLITS: weakref.WeakKeyDictionary[Llama, tuple] = weakref.WeakKeyDictionary()
 
 
-def serving_split(model: "Llama") -> tuple[nnx.GraphDef, ServingParams]:
+def serving_split(model: Llama) -> tuple[nnx.GraphDef, ServingParams]:
     """Split a model for the serving path: graphdef and (params, per-layer weights).
 
     The stacked layer weights are replaced by empty placeholders in the params, and the

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 import grpc
 

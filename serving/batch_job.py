@@ -3,7 +3,8 @@
 Input lines:  {"id", "prompt"} or {"id", "messages"} (chat template), optional max_tokens,
               temperature, top_p, top_k, seed, stop (a string or a list). Blank lines are ignored.
 Output lines: {"id", "text", "token_ids", "finish_reason", "error", "stats"}; a malformed input line
-              gives an error record with its "line" number (and "id": null if it has none).
+              or one that fails `jaxspec.requests.validate_request` (e.g. a prompt too long for the
+              cache) gives an error record with its "line" number (and "id": null if it has none).
 
 Crash safety: the output is append-only; every record is one write, flushed and fsynced before the
 next request's result is written, so a kill -9 loses only in-flight requests. On start, a torn last
@@ -25,21 +26,23 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from jaxspec.engine import Engine
+from jaxspec.engine_api import EngineAPI
 from jaxspec.policy.base import Policy
-from jaxspec.scheduler import FinishReason, Request, RequestResult, Scheduler, SchedulerConfig
+from jaxspec.requests import FinishReason, InvalidRequestError, Request, RequestLimits, RequestResult, validate_request
+from jaxspec.scheduler import Scheduler, SchedulerConfig
 from jaxspec.types import SamplingParams
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 ALLOWED_KEYS = frozenset(("id", "prompt", "messages", *SAMPLING_KEYS))
 
 #: build(args) -> (warmed-up engine, tokenizer, policy); serving/cli.py supplies it.
-Builder = Callable[[argparse.Namespace], tuple[Engine, Any, Policy]]
+Builder = Callable[[argparse.Namespace], tuple[EngineAPI, Any, Policy]]
 
 
 class BatchJobError(Exception):
@@ -134,7 +137,7 @@ class BatchSummary:
                 f"mean acceptance {acc} | finish reasons: {reasons}")
 
 
-def run_batch(engine: Engine, tokenizer: Any, policy: Policy | None, input_path: str | os.PathLike,
+def run_batch(engine: EngineAPI, tokenizer: Any, policy: Policy | None, input_path: str | os.PathLike,
               output_path: str | os.PathLike, *, defaults: SamplingParams = SamplingParams(), progress: bool = True,
               max_queue: int = 256, log: TextIO | None = None) -> BatchSummary:
     """Generate a record for every input line not yet in the output (see the module docstring).
@@ -142,6 +145,7 @@ def run_batch(engine: Engine, tokenizer: Any, policy: Policy | None, input_path:
     log = log or sys.stderr
     t0 = time.monotonic()
     lines = _read_input(Path(input_path))
+    limits = RequestLimits.for_engine(engine, tokenizer)
     with ResumableOutput(Path(output_path)) as out:
         scheduler = Scheduler(engine, policy, tokenizer, SchedulerConfig(max_queue=max_queue))
         counts = dict(already_done=0, completed=0, errors=0, malformed=0, duplicates=0, tokens=0, proposed=0,
@@ -162,7 +166,7 @@ def run_batch(engine: Engine, tokenizer: Any, policy: Policy | None, input_path:
             for number, text in lines:
                 request, error = None, None
                 try:
-                    key, raw_id, request = _parse_line(text, number, tokenizer, defaults)
+                    key, raw_id, request = _parse_line(text, number, tokenizer, defaults, limits)
                 except MalformedLine as exc:
                     raw_id, error = exc.raw_id, str(exc)
                     key = _key(raw_id) if raw_id is not None else None
@@ -221,7 +225,9 @@ def _key(raw_id: Any) -> str:
     return json.dumps(raw_id, ensure_ascii=False)
 
 
-def _parse_line(text: str, number: int, tokenizer: Any, defaults: SamplingParams) -> tuple[str, Any, Request]:
+def _parse_line(text: str, number: int, tokenizer: Any, defaults: SamplingParams,
+                limits: RequestLimits) -> tuple[str, Any, Request]:
+    """(scheduler id, input id, a request that passed `validate_request`); MalformedLine says why not."""
     where = f"line {number}"
     try:
         obj = json.loads(text)
@@ -249,11 +255,14 @@ def _parse_line(text: str, number: int, tokenizer: Any, defaults: SamplingParams
                     for m in messages):
                 raise ValueError("'messages' must be a list of {role, content} string objects")
             ids = _tokenize(lambda: tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False))
-        params = _sampling_params(obj, defaults)
+        key = _key(raw_id)
+        request = Request(key, ids, _sampling_params(obj, defaults))
+        validate_request(request, limits)
+    except InvalidRequestError as exc:
+        raise MalformedLine(f"{where}: {exc.reason}", raw_id) from None
     except ValueError as exc:
         raise MalformedLine(f"{where}: {exc}", raw_id) from None
-    key = _key(raw_id)
-    return key, raw_id, Request(key, ids, params)
+    return key, raw_id, request
 
 
 def _tokenize(encode: Callable[[], list[int]]) -> list[int]:
@@ -278,9 +287,7 @@ def _sampling_params(obj: dict, defaults: SamplingParams) -> SamplingParams:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError("'stop' must be a non-empty string or a list of them")
         changes["stop_strings"] = tuple(stop)
-    params = dataclasses.replace(defaults, **changes)
-    params.validate()
-    return params
+    return dataclasses.replace(defaults, **changes)  # validated with the request
 
 
 # --- output --------------------------------------------------------------------------------
@@ -305,7 +312,7 @@ class ResumableOutput:
         self._done_keys: set[str] = set()
         self._done_lines: set[int] = set()  # input lines of id-less error records
 
-    def __enter__(self) -> "ResumableOutput":
+    def __enter__(self) -> ResumableOutput:
         new = not self.path.exists()
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)

@@ -14,7 +14,7 @@ import sys
 # subcommand -> (module, add-arguments function, run function, help)
 COMMANDS = {
     "generate": ("serving.generate", "add_arguments", "run", "generate text for one prompt"),
-    "serve": ("serving.grpc_server", "add_serve_arguments", "run_serve", "run the gRPC server"),
+    "serve": ("serving.serve_cmd", "add_serve_arguments", "run_serve", "run the gRPC server"),
     "client": ("serving.client", "add_client_arguments", "run_client", "stream a completion from a server"),
     "batch": ("serving.batch_cmd", "add_arguments", "run", "offline, resumable batch generation (JSONL)"),
     "bench": ("benchmarks.cli", "add_arguments", "run", "serving benchmark: load × workloads × policies"),
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
-    from jaxspec.engine import CapacityError, MenuMissError
+    from jaxspec.menu import CapacityError, MenuMissError
     from models.loading import ModelLoadError
     return (ModelLoadError, ValueError, KeyError, FileNotFoundError, CapacityError, MenuMissError)
 

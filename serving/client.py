@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -47,7 +47,7 @@ class GenerationClient:
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
-    def __enter__(self) -> "GenerationClient":
+    def __enter__(self) -> GenerationClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -70,7 +70,8 @@ class GenerationClient:
                 setattr(req, name, value)
         return req
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **params) -> Iterator[pb.GenerateResponse]:
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **params) -> Iterator[pb.GenerateResponse]:
         """Stream the responses of one request (see `request` for the parameters). The returned
         iterator is also a grpc.Call: `.cancel()` stops the request."""
         return self.stub.Generate(self.request(prompt, **params), timeout=timeout, metadata=self._metadata)

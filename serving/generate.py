@@ -7,14 +7,18 @@ import json
 import sys
 import time
 
-from jaxspec.scheduler import InvalidRequestError, Request, Scheduler
+from jaxspec.engine_args import EngineArgs
+from jaxspec.requests import InvalidRequestError, Request, RequestLimits, validate_request
+from jaxspec.scheduler import Scheduler
 from jaxspec.types import SamplingParams
-from serving.runtime import add_engine_arguments, build_runtime
+from serving.runtime import build_runtime
+
+REQUEST_ID = "generate"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
-    add_engine_arguments(parser, default_menu="generate")
+    EngineArgs.add_arguments(parser, default_menu="generate")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
@@ -27,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The request's sampling values, checked before anything loads."""
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop_strings=tuple(args.stop))
     params.validate()
@@ -36,24 +41,24 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 def run(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty")
+    engine_args = EngineArgs.from_namespace(args)
     params = sampling_params(args)
     start = time.perf_counter()
-    prompt_ids: list[int] = []
+    requests: list[Request] = []
 
-    def tokenize_and_check(tokenizer, config) -> None:
+    def tokenize_and_check(tokenizer, limits: RequestLimits) -> None:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-        prompt_ids.extend(tokenizer.encode(text))
-        if len(prompt_ids) + 1 > config.max_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {config.max_len} "
-                             f"(prompt + at least one generated token)")
+        request = Request(REQUEST_ID, tokenizer.encode(text), params)
+        try:
+            validate_request(request, limits)
+        except InvalidRequestError as exc:
+            raise ValueError(str(exc).removeprefix(f"request {REQUEST_ID!r}: ")) from None
+        requests.append(request)
 
-    runtime = build_runtime(args, progress=True, before_warmup=tokenize_and_check)
+    runtime = build_runtime(engine_args, progress=True, before_warmup=tokenize_and_check)
     scheduler = Scheduler(runtime.engine, runtime.policy, runtime.tokenizer)
     ready = time.perf_counter()
-    try:
-        handle = scheduler.submit(Request("generate", prompt_ids, params))
-    except InvalidRequestError as exc:
-        raise ValueError(str(exc).removeprefix("request 'generate': ")) from None
+    handle = scheduler.submit(requests[0])
     scheduler.start()
     try:
         result = None
@@ -72,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     stats.update(per_step=[{"k": s.k, "proposed": s.proposed, "accepted": s.accepted} for s in result.steps],
                  tokens_per_step=len(result.token_ids) / max(len(result.steps), 1),
                  tokens_per_s=len(result.token_ids) / max(stats["total_s"] or 0.0, 1e-9),
-                 setup_s=ready - start, model=runtime.model_name, proposer=args.proposer,
+                 setup_s=ready - start, model=runtime.model_name, proposer=engine_args.proposer,
                  policy=runtime.policy.name, finish_reason=result.finish_reason.value)
     log = getattr(runtime.policy, "log", None)
     if log is not None:

@@ -1,9 +1,9 @@
-"""Prometheus metrics of the gRPC server, in their own CollectorRegistry (DESIGN.md §10.7).
+"""Prometheus metrics of the gRPC server, in their own CollectorRegistry.
 
 Every metric's help text is its definition. Three sources feed them:
   - the RPC handlers: status codes, latency, streamed tokens, per-request timings (`record_*`);
-  - `MeteredPolicy`, a pass-through wrapper of the speculation policy that sees every engine step
-    in the engine thread: chosen k, acceptance, predicted and realised goodput, step time;
+  - the scheduler's per-step statistics (`observe_step`, a step listener called in the engine
+    thread): chosen k, acceptance, predicted and realised goodput, step time;
   - scrape-time reads of the scheduler (queue depth, running slots) and of the compile counter.
 """
 
@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Hashable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from jaxspec import compile_counter
-from jaxspec.policy.base import BatchView, Decision, Policy
-from jaxspec.scheduler import FinishReason, RequestResult, Scheduler
-from jaxspec.types import StepResult
+from jaxspec.requests import FinishReason, RequestResult
+from jaxspec.scheduler import Scheduler, StepStats
 from serving.proto.jaxspec.v1 import generation_pb2 as pb
 
 PREFIX = "jaxspec"
@@ -46,7 +44,8 @@ def method_label(method: str) -> str:
 class ServingMetrics:
     """The server's metrics. `positions`: draft positions with their own acceptance series."""
 
-    def __init__(self, k_menu: tuple[int, ...], registry: CollectorRegistry | None = None, positions: int | None = None):
+    def __init__(self, k_menu: tuple[int, ...], registry: CollectorRegistry | None = None,
+                 positions: int | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.positions = positions if positions is not None else max(k_menu)
@@ -88,8 +87,8 @@ class ServingMetrics:
         self.steps = Counter(
             f"{PREFIX}_engine_steps", "Engine decode steps (one padded batch step each).", registry=r)
         self.step_seconds = Histogram(
-            f"{PREFIX}_engine_step_seconds", "Measured seconds of each engine decode step (policy.observe's "
-            "elapsed time).", buckets=STEP_BUCKETS, registry=r)
+            f"{PREFIX}_engine_step_seconds", "Measured seconds of each engine decode step's executable (the "
+            "time the policy observes: lazy draft catch-up excluded).", buckets=STEP_BUCKETS, registry=r)
         self.chosen_k = Histogram(
             f"{PREFIX}_chosen_k", "The speculation length k the policy chose, one observation per engine step "
             "(the padded k when rows have their own caps).", buckets=tuple(float(k) for k in k_menu), registry=r)
@@ -176,7 +175,9 @@ class ServingMetrics:
 
     # --- engine steps (engine thread) ----------------------------------------------------
 
-    def record_step(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float) -> None:
+    def observe_step(self, stats: StepStats) -> None:
+        """One decode step the scheduler published (a step listener)."""
+        view, decision, result, elapsed_s = stats.view, stats.decision, stats.result, stats.executable_s
         n = view.batch_size
         proposed = [int(p) for p in result.proposed[:n]]
         accepted = [int(a) for a in result.accepted[:n]]
@@ -248,28 +249,4 @@ class _DerivedCollector(Collector):
             value=math.nan if after is None else after)
 
 
-class MeteredPolicy(Policy):
-    """Passes every call through to `inner` and reports each observed step to `metrics`."""
-
-    def __init__(self, inner: Policy, metrics: ServingMetrics):
-        self.inner = inner
-        self.metrics = metrics
-        self.name = inner.name
-
-    @property
-    def log(self):
-        """The inner policy's decision log, if it keeps one."""
-        return getattr(self.inner, "log", None)
-
-    def choose(self, view: BatchView) -> Decision:
-        return self.inner.choose(view)
-
-    def observe(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float) -> None:
-        self.inner.observe(view, decision, result, elapsed_s)
-        self.metrics.record_step(view, decision, result, elapsed_s)
-
-    def forget(self, request_id: Hashable) -> None:
-        self.inner.forget(request_id)
-
-
-__all__ = ["ServingMetrics", "MeteredPolicy", "method_label"]
+__all__ = ["ServingMetrics", "method_label"]

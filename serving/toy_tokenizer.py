@@ -11,7 +11,8 @@ token_bytes, eos_token_ids, special_token_ids, apply_chat_template). Ids 0 (pad)
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 PAD, EOS, UNK = 0, 1, 2
 ASCII_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,:\n!?-'"  # 61 characters

@@ -17,7 +17,7 @@ __all__ = ["ASCII_ALPHABET", "EOS", "FakeTokenizer", "SPECIAL", "ascii_tokenizer
 
 def multibyte_tokenizer() -> ToyTokenizer:
     """64 ids whose pieces are 1-3 byte slices of multi-byte UTF-8 text, cut across characters."""
-    data = "é€😀ñ中文ü→ab".encode("utf-8")
+    data = "é€😀ñ中文ü→ab".encode()
     pieces = []
     for i in range(61):
         start, size = (i * 2) % len(data), 1 + i % 3

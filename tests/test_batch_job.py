@@ -1,4 +1,7 @@
-"""Offline batch jobs: records, malformed lines, duplicate ids, torn lines, kill -9 and resume."""
+"""Offline batch jobs: records, malformed lines, duplicate ids, torn lines, kill -9 and resume.
+
+On the fake engine (tests/batch_job_entry.py: outputs count on from the prompt's last token), so
+every record's tokens are known by hand; one end-to-end run on the real tiny engine."""
 
 from __future__ import annotations
 
@@ -16,10 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxspec.engine import Engine
+from jaxspec.policy.fixed import NoSpeculation
+from jaxspec.types import SamplingParams
 from serving import batch_job
 from serving.batch_job import BatchJobError, ResumableOutput, run_batch
 from tests import batch_job_entry
-from tests.fake_tokenizer import ASCII_ALPHABET
+from tests.fake_tokenizer import ASCII_ALPHABET, EOS, ascii_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bold jam".split()
@@ -65,6 +71,12 @@ def make_input(path: Path, n_good: int = 20) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def line_of(path: Path, raw_id) -> int:
+    """The 1-based input line where id `raw_id` first appears."""
+    return next(n for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                if f'"id": {json.dumps(raw_id)}' in line)
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
@@ -83,9 +95,18 @@ def assert_each_once(recs: list[dict]) -> None:
     assert all(c == 1 for c in counts.values()), [k for k, c in counts.items() if c > 1]
 
 
+def counted(path: Path, record: dict, default_max_tokens: int = 128) -> tuple[list[int], str]:
+    """(token ids, finish reason) the fake engine gives the first input line with `record`'s id."""
+    engine, tok, _ = batch_job_entry.build()
+    obj = json.loads(path.read_text(encoding="utf-8").splitlines()[line_of(path, record["id"]) - 1])
+    ids = tok.encode(obj["prompt"] if "prompt" in obj else tok.apply_chat_template(obj["messages"]))
+    tokens = engine.expected_output(ids, min(obj.get("max_tokens", default_max_tokens), engine.menu.max_len - len(ids)))
+    return (tokens[:tokens.index(EOS) + 1], "eos") if EOS in tokens else (tokens, "length")
+
+
 @pytest.fixture(scope="module")
-def job(tiny_model):
-    return batch_job_entry.build(model=tiny_model)  # identical to the subprocess's engine
+def job():
+    return batch_job_entry.build()  # identical to the subprocess's engine
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +119,7 @@ def reference(job, tmp_path_factory):
 
 
 def test_uninterrupted_run(reference):
-    _, recs, summary, log = reference
+    inp, recs, summary, log = reference
     assert_each_once(recs)
     by_key = {key(r): r for r in recs}
     assert len(recs) == 20 + 3 + len(MALFORMED)  # good + int/str ids + too-long + malformed; no duplicate
@@ -106,17 +127,22 @@ def test_uninterrupted_run(reference):
         errs = [r for r in recs if r["error"] and f"line {number}:" in r["error"]]
         assert len(errs) == 1 and error in errs[0]["error"] and errs[0]["line"] == number
     assert by_key['"m-zero"']["id"] == "m-zero" and by_key[("line", 15)]["id"] is None
-    assert by_key['"too-long"']["finish_reason"] == "error" and "max_len" in by_key['"too-long"']["error"]
+    too_long = by_key['"too-long"']  # fails validate_request: reported with its line, like a malformed one
+    assert too_long["finish_reason"] == "error" and "max_len" in too_long["error"]
+    assert too_long["line"] == line_of(inp, "too-long")
     assert by_key["7"]["text"] is not None and by_key['"7"']["text"] is not None
     q3 = by_key['"q3"']
     assert "duplicate id 'q3'" in log and summary.duplicates == 1
     assert q3["stats"]["prompt_tokens"] != len("duplicate of q3")  # the first q3 ran, once
-    for r in recs:
-        if r["error"] is None:
-            assert r["finish_reason"] in ("eos", "length", "stop")
-            assert set(r["text"]) <= set(ASCII_ALPHABET)
-            assert r["stats"]["completion_tokens"] == len(r["token_ids"]) > 0
+    good = [r for r in recs if r["error"] is None]
+    assert all((r["token_ids"], r["finish_reason"]) == counted(inp, r) for r in good)
+    tok = ascii_tokenizer()
+    for r in good:
+        assert r["text"] == tok.decode(r["token_ids"]) and set(r["text"]) <= set(ASCII_ALPHABET)
+        assert r["stats"]["completion_tokens"] == len(r["token_ids"]) > 0
     assert summary.errors == len(MALFORMED) + 1 and summary.completed == 22 and summary.exit_code == 1
+    assert summary.malformed == len(MALFORMED) + 1
+    assert summary.acceptance == sum(r["stats"]["accepted"] for r in good) / sum(r["stats"]["proposed"] for r in good)
     assert summary.generated_tokens == sum(len(r["token_ids"]) for r in recs)
     assert "tokens/s" in log and "mean acceptance" in log
 
@@ -208,3 +234,31 @@ def test_kill_9_at_several_points_then_resume(job, reference, tmp_path):
     assert_each_once(got)
     assert outcome(got) == outcome(recs)
     assert summary.already_done == done_before
+
+
+def test_stop_strings_and_defaults_reach_the_requests(job, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    lines = [{"id": "s", "prompt": "a", "stop": "de", "max_tokens": 10}, {"id": "d", "prompt": "a"},
+             {"id": "big", "prompt": "a" * 50, "max_tokens": 100}, {"id": "e", "prompt": "'"}]
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    defaults = SamplingParams(max_tokens=3)
+    run_batch(*job, inp, tmp_path / "o.jsonl", defaults=defaults, progress=False, log=io.StringIO())
+    got = {r["id"]: r for r in records(tmp_path / "o.jsonl")}
+    assert (got["s"]["text"], got["s"]["finish_reason"]) == ("bc", "stop")  # 'a' -> b c d e: cut before "de"
+    assert (got["d"]["text"], got["d"]["finish_reason"]) == ("bcd", "length")  # the default max_tokens
+    assert (len(got["big"]["token_ids"]), got["big"]["finish_reason"]) == (14, "length")  # the cache: 64 - 50
+    assert (got["e"]["token_ids"], got["e"]["finish_reason"]) == ([0, EOS], "eos")  # "'" is id 63: pad, then eos
+
+
+def test_runs_on_the_real_engine(tiny_model, tmp_path):
+    engine = Engine(tiny_model, None, batch_job_entry.MENU.replace(k_menu=(0,)))
+    engine.warmup(progress=False)
+    inp = tmp_path / "in.jsonl"
+    make_input(inp)
+    summary = run_batch(engine, ascii_tokenizer(), NoSpeculation(), inp, tmp_path / "o.jsonl", progress=False,
+                        log=io.StringIO())
+    recs = records(tmp_path / "o.jsonl")
+    assert_each_once(recs)
+    good = [r for r in recs if r["error"] is None]
+    assert summary.completed == len(good) == 22 and summary.errors == len(MALFORMED) + 1
+    assert all(r["stats"]["completion_tokens"] == len(r["token_ids"]) > 0 for r in good)

@@ -14,7 +14,8 @@ def test_quick_bench_end_to_end_on_tiny(tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     out = tmp_path / "out"
-    args = parser.parse_args(["--model", "tiny", "--quick", "--proposers", "ngram", "--policies", "none,fixed:2,goodput",
+    args = parser.parse_args(["--model", "tiny", "--quick", "--proposers", "ngram",
+                              "--policies", "none,fixed:2,goodput",
                               "--k-menu", "0,2", "--capacity", "2", "--requests", "2", "--max-tokens", "6",
                               "--max-prompt-tokens", "200", "--load-fractions", "0.5,2", "--no-progress",
                               "--json", str(tmp_path / "r.json"), "--out", str(out)])

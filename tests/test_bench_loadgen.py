@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks.loadgen import poisson_arrivals, run_closed_loop, run_open_loop, summarize
-from jaxspec.scheduler import FinishReason
+from jaxspec.requests import FinishReason
 
 
 def test_poisson_arrival_statistics():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from jaxspec.engine_args import EngineArgs
+from serving.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,4 +81,54 @@ def test_generate_json_on_the_default_model(small_menu):
 @pytest.mark.slow
 def test_prompt_longer_than_the_context(small_menu):
     result = jaxspec("generate", "word " * 400, "--menu", small_menu)
-    assert result.returncode == 2 and "context holds 256" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "max_len 256" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generate_on_the_tiny_preset_with_a_toy_tokenizer():
+    """Nothing to download: random weights, the ascii tokenizer, the tiny menu."""
+    result = jaxspec("generate", "hi", "--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--max-tokens", "5",
+                     "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["stats"]["model"] == "tiny" and 1 <= len(out["token_ids"]) <= 5
+    missing = jaxspec("generate", "hi", "--model", "tiny", "--menu", "tiny")
+    assert missing.returncode == 2 and "--tokenizer ascii" in missing.stderr
+
+
+# --- the engine flags: one declaration for every command -------------------------------------------
+
+
+def _actions(command: str) -> dict[str, argparse.Action]:
+    """The flags of `jaxspec COMMAND`, by destination."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a for a in sub.choices[command]._actions}
+
+
+@pytest.mark.parametrize("command", ["generate", "batch", "serve", "profile", "bench"])
+def test_engine_flags_are_generated_from_engine_args(command):
+    actions = _actions(command)
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    shared = sorted(set(actions) & set(fields))
+    assert {"model", "draft"} <= set(shared)
+    for name in shared:  # each flag's help text is its field's
+        assert actions[name].help.startswith(fields[name].metadata["help"]), (command, name)
+    assert ("policy" in actions) == (command in ("generate", "batch", "serve"))
+
+
+def test_engine_args_from_flags():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_arguments(parser, default_menu="generate")
+    flags = ["--proposer", "ngram", "--ngram", "2,4", "--policy", "fixed:2"]
+    args = EngineArgs.from_namespace(parser.parse_args(flags))
+    assert args == EngineArgs(proposer="ngram", ngram=(2, 4), policy="fixed:2", menu="generate")
+    assert str(args.policy_spec()) == "fixed:2"
+    assert EngineArgs(proposer="draft").policy_spec().name == "goodput"  # the default with a proposer
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ngram", "3,1"])
+    overrides = argparse.ArgumentParser()
+    EngineArgs.add_arguments(overrides, only=("model", "menu"), overrides=True)
+    assert EngineArgs.given(overrides.parse_args(["--menu", "tiny"]), ("model", "menu")) == {"menu": "tiny"}
+    for bad, message in ((dict(policy="goodput"), "needs a proposer"), (dict(proposer="beam"), "unknown proposer"),
+                         (dict(tokenizer="sentencepiece"), "unknown tokenizer"), (dict(ngram=(0, 2)), "ngram")):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(**bad)

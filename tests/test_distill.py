@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxspec import sampling
-from jaxspec.distill import DraftArch, Trainer, TrainConfig, build_draft, load_draft, save_draft
+from jaxspec.distill import DraftArch, TrainConfig, Trainer, build_draft, load_draft, save_draft
 from jaxspec.distill_data import TargetGenerator, choose_vocab
 from jaxspec.types import Proposals, RowParams
 from jaxspec.verify import verify
@@ -141,7 +141,8 @@ def test_pruned_vocab_draft_keeps_rejection_sampling_exact(temperature, top_p):
 @pytest.mark.slow
 def test_shipped_draft_greedy_equals_plain_decoding():
     from jaxspec.distill import load_shipped_draft, shipped_draft_path
-    from jaxspec.engine import Engine, EngineConfig
+    from jaxspec.engine import Engine
+    from jaxspec.menu import Menu
     from jaxspec.proposers.draft_model import DraftModelProposer
     from jaxspec.types import SamplingParams
     from models.llama import from_hf_state_dict
@@ -153,7 +154,7 @@ def test_shipped_draft_greedy_equals_plain_decoding():
     target = from_hf_state_dict(loaded.config, loaded.state_dict)
     draft = load_shipped_draft(loaded.config, target)
     assert draft.config.vocab_size == target.config.vocab_size
-    cfg = EngineConfig(num_slots=1, max_len=128, batch_buckets=(1,), k_menu=(0, 4), window_buckets=(128,),
+    cfg = Menu(num_slots=1, max_len=128, batch_buckets=(1,), k_menu=(0, 4), window_buckets=(128,),
                        prefill_buckets=(64,))
     engine = Engine(target, DraftModelProposer(draft), cfg)
     engine.warmup(progress=False)

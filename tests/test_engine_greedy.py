@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxspec import compile_counter
-from jaxspec.engine import CapacityError, Engine, EngineConfig, MenuMissError
+from jaxspec.engine import Engine
+from jaxspec.menu import CapacityError, Menu, MenuMissError
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.noisy import NoisyProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
@@ -15,7 +16,7 @@ from models.config import TINY
 from models.llama import random_model
 from tests.conftest import decode, random_prompts, reference_greedy
 
-MENU = EngineConfig(num_slots=8, max_len=128, batch_buckets=(1, 8), k_menu=(0, 1, 2, 3, 4, 5, 6, 8),
+MENU = Menu(num_slots=8, max_len=128, batch_buckets=(1, 8), k_menu=(0, 1, 2, 3, 4, 5, 6, 8),
                     window_buckets=(128,), prefill_buckets=(32,))
 N_NEW = 16
 PROMPT_LENGTHS = (5, 40, 11, 23, 7, 33, 2, 18)
@@ -70,7 +71,7 @@ def test_greedy_equals_plain_decoding(tiny_model, references, name):
 
 def test_plain_engine_and_menu_errors(tiny_model, references):
     engine = Engine(tiny_model, None, MENU.replace(batch_buckets=(1,)))
-    assert engine.config.k_menu == (0,)
+    assert engine.menu.k_menu == (0,)
     engine.warmup(progress=False)
     prompts, expected = references
     outputs, _ = decode(engine, prompts[:1], 0, N_NEW)
@@ -120,6 +121,7 @@ def test_draft_cache_stays_in_sync_across_k0_steps(tiny_model, references):
     assert engine.catch_up_totals.calls == catch_ups
     draft_lengths = np.asarray(engine.state.proposer.lengths)[slots]
     np.testing.assert_array_equal(draft_lengths, engine.proposer_lengths[slots])  # host mirror is exact
-    np.testing.assert_array_equal(draft_lengths + 1, engine.lengths[slots])  # after an all-accepted step the draft lacks d_k
+    # after an all-accepted step the draft lacks d_k
+    np.testing.assert_array_equal(draft_lengths + 1, engine.lengths[slots])
     for out, ref in zip(outputs, expected):
         assert out[:N_NEW] == ref

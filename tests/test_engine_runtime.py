@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 from jaxspec import compile_counter
-from jaxspec.engine import Engine, EngineConfig
+from jaxspec.engine import Engine
+from jaxspec.menu import Menu, StepKey
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.types import SamplingParams
 from models.config import TINY
 from tests.conftest import decode, random_prompts
 
-CONFIG = EngineConfig(num_slots=8, max_len=128, batch_buckets=(1, 4, 8), k_menu=(0, 2, 3),
+CONFIG = Menu(num_slots=8, max_len=128, batch_buckets=(1, 4, 8), k_menu=(0, 2, 3),
                       window_buckets=(64, 128), prefill_buckets=(32,))
 
 
@@ -106,14 +107,14 @@ def test_rows_all_capped_at_0_run_plain_decoding_without_catch_up(engine, tiny_m
     spy.take()
     seen = engine.proposer_lengths[slots].copy()
     result = engine.step(slots, 3, row_k=[0, 0])
-    assert spy.take() == [("step", 4, 0, 64)]  # the k = 0 executable, no catch-up call
+    assert spy.take() == [StepKey(4, 0, 64)]  # the k = 0 executable, no catch-up call
     assert result.catch_up_calls == 0 and result.tokens.shape == (2, 1)
     np.testing.assert_array_equal(engine.proposer_lengths[slots], seen)  # the draft was left alone
     for row, out in enumerate(outs):
         out += result.row_tokens(row)
     # the largest cap decides: caps (1, 0) at k = 3 run the smallest menu k >= 1, k = 2
     result = engine.step(slots, 3, row_k=[1, 0])
-    assert [key for key in spy.take() if key[0] == "step"] == [("step", 4, 2, 64)]
+    assert [key for key in spy.take() if isinstance(key, StepKey)] == [StepKey(4, 2, 64)]
     assert result.tokens.shape == (2, 3) and list(result.proposed) == [1, 0]
     for row, out in enumerate(outs):
         out += result.row_tokens(row)
@@ -126,17 +127,16 @@ def test_engine_and_goodput_agree_on_the_shape_of_every_step(engine, monkeypatch
     it): a long row capped at 0 does not push a short row's k = 3 step into the larger window."""
     from jaxspec.policy.acceptance import AcceptanceTracker
     from jaxspec.policy.base import BatchView
-    from jaxspec.policy.cost_model import CostModel
     from jaxspec.policy.goodput import GoodputPolicy
-    from tests.policy.sim import linear_cost
+    from tests.policy.sim import linear_cost, synthetic_cost_model
 
     prompts = random_prompts((61, 8), TINY.vocab_size, seed=7)
     slots = [0, 1]
     _prefilled(engine, prompts, slots)
-    cost = CostModel.from_function(linear_cost(), CONFIG.batch_buckets, CONFIG.k_menu, CONFIG.window_buckets)
+    cost = synthetic_cost_model(linear_cost(), CONFIG.batch_buckets, CONFIG.k_menu, CONFIG.window_buckets)
     policy = GoodputPolicy(cost, AcceptanceTracker())  # cold start: it speculates
     filed, observe = [], cost.observe
-    monkeypatch.setattr(cost, "observe", lambda b, k, w, *a, **kw: filed.append(("step", b, k, w)) or observe(
+    monkeypatch.setattr(cost, "observe", lambda b, k, w, *a, **kw: filed.append(StepKey(b, k, w)) or observe(
         b, k, w, *a, **kw))
     spy = _Spy(engine, monkeypatch)
     for _ in range(4):
@@ -146,6 +146,6 @@ def test_engine_and_goodput_agree_on_the_shape_of_every_step(engine, monkeypatch
         decision = policy.choose(view)
         result = engine.step(slots, decision.k, None if decision.row_k is None else list(decision.row_k))
         policy.observe(view, decision, result, elapsed_s=1e-3)
-    ran = [key for key in spy.take() if key[0] == "step"]
+    ran = [key for key in spy.take() if isinstance(key, StepKey)]
     assert ran == filed
-    assert ran[0] == ("step", 4, 3, 64)  # 61 + 3 + 1 > 64, but the long row verifies nothing
+    assert ran[0] == StepKey(4, 3, 64)  # 61 + 3 + 1 > 64, but the long row verifies nothing

@@ -15,7 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxspec.engine import Engine, EngineConfig  # noqa: E402
+from jaxspec.engine import Engine  # noqa: E402
+from jaxspec.menu import Menu  # noqa: E402
 from jaxspec.types import SamplingParams  # noqa: E402
 from models.config import TINY_QWEN  # noqa: E402
 from models.llama import random_model, to_hf_state_dict  # noqa: E402
@@ -33,7 +34,8 @@ PROMPTS = [
     "    \"\"\"Return True when n is a prime number, checking divisors up to the square root.\"\"\"\n",
     "Photosynthesis is the process by which green plants, algae and some bacteria convert light energy into "
     "chemical energy. During the light-dependent reactions, water molecules are split, releasing oxygen, "
-    "while the Calvin cycle fixes carbon dioxide into sugars that the plant uses for growth, repair and long-term storage in roots and seeds. "
+    "while the Calvin cycle fixes carbon dioxide into sugars that the plant uses for growth, repair and "
+    "long-term storage in roots and seeds. "
     "In summary, the three main stages are",
 ]
 
@@ -51,7 +53,7 @@ def pair():
 def test_logits_and_greedy_match_transformers(pair):
     ours, hf = pair
     tok = ours.tokenizer
-    engine = Engine(ours.model, None, EngineConfig(num_slots=1, max_len=256, batch_buckets=(1,), k_menu=(0,),
+    engine = Engine(ours.model, None, Menu(num_slots=1, max_len=256, batch_buckets=(1,), k_menu=(0,),
                                                    window_buckets=(256,), prefill_buckets=(128,)))
     engine.warmup(progress=False)
     for prompt in PROMPTS:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec.engine import Engine, EngineConfig
+from jaxspec.engine import Engine
+from jaxspec.menu import Menu
 from jaxspec.proposers.base import Proposer
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.noisy import NoisyProposer
@@ -13,7 +14,7 @@ from jaxspec.types import SamplingParams
 from models.config import TINY
 from tests.conftest import random_prompts
 
-CONFIG = EngineConfig(num_slots=4, max_len=128, batch_buckets=(4,), k_menu=(0, 4), window_buckets=(128,),
+CONFIG = Menu(num_slots=4, max_len=128, batch_buckets=(4,), k_menu=(0, 4), window_buckets=(128,),
                       prefill_buckets=(32,))
 
 

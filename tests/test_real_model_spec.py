@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from jaxspec.build import build_model, truncated_copy
-from jaxspec.engine import Engine, EngineConfig
+from jaxspec.engine import Engine
+from jaxspec.menu import Menu
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
 from tests.conftest import decode
 
 pytestmark = pytest.mark.slow
 
-CONFIG = EngineConfig(num_slots=2, max_len=256, batch_buckets=(2,), k_menu=(0, 3), window_buckets=(256,),
+CONFIG = Menu(num_slots=2, max_len=256, batch_buckets=(2,), k_menu=(0, 3), window_buckets=(256,),
                       prefill_buckets=(128,))
 PROMPTS = [
     "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",

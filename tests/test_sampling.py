@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxspec import sampling
-from jaxspec.engine import Engine, EngineConfig
+from jaxspec.engine import Engine
+from jaxspec.menu import Menu
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import Proposals, RowParams, SamplingParams
 from jaxspec.verify import verify
@@ -101,7 +102,7 @@ def test_validation_checks_what_the_device_holds():
 def test_tiny_top_p_through_the_engine_is_greedy(tiny_model):
     """End to end (prefill's first token, plain and speculative steps): top_p = 1e-46 at
     temperature 1 decodes exactly as greedy."""
-    config = EngineConfig(num_slots=1, max_len=64, batch_buckets=(1,), k_menu=(0, 2), window_buckets=(64,),
+    config = Menu(num_slots=1, max_len=64, batch_buckets=(1,), k_menu=(0, 2), window_buckets=(64,),
                           prefill_buckets=(32,))
     engine = Engine(tiny_model, PromptLookupProposer(), config)
     engine.warmup(progress=False)

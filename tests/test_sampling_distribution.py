@@ -1,4 +1,4 @@
-"""Rejection sampling preserves the target distribution at every emitted position (DESIGN.md §6.3).
+"""Rejection sampling preserves the target distribution at every emitted position (docs/design.md, "Correctness tests").
 
 Setup. V = 8 tokens, K = 3 proposals. Target and draft are Markov chains given as tables
 (`_tables`): the target's logits at position j depend on j and the token before it (the pending

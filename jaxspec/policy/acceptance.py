@@ -33,7 +33,7 @@ successes: positions 1..a), giving α̂_j = P(accept j | accepted 1..j−1).
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable
+from collections.abc import Hashable
 
 import numpy as np
 

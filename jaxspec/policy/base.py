@@ -8,7 +8,7 @@ menu's k values (0 included) and optional per-row caps ≤ k.
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable
+from collections.abc import Hashable
 
 from jaxspec.types import StepResult
 

@@ -33,7 +33,7 @@ Three layers, each deterministic (no clock is read here):
    a_s in (d, b) saturates at τ, so the shape the policy runs most does not drown the others.
 
 The shape of a step (its padded k and attention window from per-row lengths and caps) is
-decided by `jaxspec.policy.shape.step_shape`, the function the engine runs steps with.
+decided by `jaxspec.menu.step_shape`, the function the engine runs steps with.
 
 Per-row pricing. A padded step of shape (B, k) verifies B·(k+1) token slots; a row capped at
 k_i < k uses k_i + 1 of them. With real tokens r = Σ_i (k_i + 1) (live rows only),
@@ -52,12 +52,12 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from jaxspec.policy.shape import StepShape, step_shape
+from jaxspec.menu import StepShape, step_shape
 
 FORMAT = "jaxspec-cost-profile"
 VERSION = 1
@@ -135,7 +135,7 @@ class CostProfile:
                 "entries": [dataclasses.asdict(e) for e in self.entries]}
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "CostProfile":
+    def from_json(cls, data: Mapping) -> CostProfile:
         if data.get("format") != FORMAT or data.get("version") != VERSION:
             raise CostModelError(f"not a {FORMAT} v{VERSION} file (format={data.get('format')!r}, "
                                  f"version={data.get('version')!r})")
@@ -151,7 +151,7 @@ class CostProfile:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, expect: ProfileKey | None = None) -> "CostProfile":
+    def load(cls, path: str | os.PathLike, expect: ProfileKey | None = None) -> CostProfile:
         """Read a profile; with `expect`, raise unless it was made for exactly that key."""
         profile = cls.from_json(json.loads(Path(path).read_text()))
         if expect is not None and profile.key != expect:
@@ -211,7 +211,7 @@ class LinearCostFit:
     coef: tuple[float, ...]
 
     @classmethod
-    def fit(cls, entries: Iterable[CostEntry]) -> "LinearCostFit":
+    def fit(cls, entries: Iterable[CostEntry]) -> LinearCostFit:
         """Non-negative least squares on relative error (rows weighted by 1/seconds)."""
         entries = list(entries)
         if not entries:
@@ -289,18 +289,9 @@ class CostModel:
         self.observations = 0
 
     @classmethod
-    def from_profile(cls, profile: CostProfile, online: OnlineCostConfig = OnlineCostConfig()) -> "CostModel":
+    def from_profile(cls, profile: CostProfile, online: OnlineCostConfig = OnlineCostConfig()) -> CostModel:
         return cls({e.shape: e.seconds for e in profile.entries}, LinearCostFit.fit(profile.entries),
                    window_buckets=profile.key.window_buckets, real_token_s=profile.real_token_s, online=online)
-
-    @classmethod
-    def from_function(cls, fn, batch_buckets: Iterable[int], k_menu: Iterable[int], window_buckets: Iterable[int],
-                      *, real_token_s: float = 0.0, online: OnlineCostConfig = OnlineCostConfig()) -> "CostModel":
-        """A table of fn(B, k, W) over the menu plus its fit (synthetic costs for tests/benchmarks)."""
-        entries = [CostEntry(b, k, w, float(fn(b, k, w))) for b in batch_buckets for k in k_menu
-                   for w in window_buckets]
-        return cls({e.shape: e.seconds for e in entries}, LinearCostFit.fit(entries),
-                   window_buckets=tuple(window_buckets), real_token_s=real_token_s, online=online)
 
     # --- shapes ------------------------------------------------------------------------
 
@@ -325,16 +316,6 @@ class CostModel:
         if not t > 0:
             raise CostModelError(f"non-positive time {t} for (B={batch}, k={k}, W={window})")
         return t
-
-    @property
-    def device_factor(self) -> float:
-        """exp(d): how much slower (> 1) or faster (< 1) than profiled the device runs, over all shapes."""
-        return math.exp(self._log_device)
-
-    @property
-    def draft_slope(self) -> float:
-        """b: the log correction per unit of propose share (> 0: proposing is slower than profiled)."""
-        return self._draft_slope
 
     def factor(self, batch: int, k: int, window: int) -> float:
         """Online correction of a shape: exp(d + b·π_s + r_s), clipped to [1/c, c] (module doc)."""
@@ -417,7 +398,3 @@ class CostModel:
         self._draft_slope = ((saa + tau0) * spm - sap * sam) / det
         self._residual = {s: n / (n + tau) * (total / n - self._log_device - self._draft_slope * self.propose_share(*s))
                           for s, (n, total) in self._evidence.items()}
-
-    def corrections(self) -> dict[str, float]:
-        """Correction factors of the observed shapes, for metrics: {'B,k,W': factor}."""
-        return {f"{b},{k},{w}": self.factor(b, k, w) for (b, k, w) in sorted(self._residual)}

@@ -1,4 +1,4 @@
-"""A bounded log of speculation decisions with predicted and realised goodput (DESIGN.md §7).
+"""A bounded log of speculation decisions with predicted and realised goodput (docs/design.md, "The goodput policy").
 
 Definitions (one record per engine step):
   goodput            committed tokens per second of the step: Σ_rows counts / step seconds

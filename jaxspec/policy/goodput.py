@@ -1,4 +1,6 @@
-"""SmartSpec goodput policy (arXiv 2406.14066, DESIGN.md §7): pick k every step to maximise tokens/s.
+"""SmartSpec goodput policy (arXiv 2406.14066): pick k every step to maximise tokens/s.
+
+Design: docs/design.md, "The goodput policy".
 
 For live rows i with acceptance estimates α_i (`AcceptanceTracker`) and the step cost T
 (`CostModel`, padded bucket B):
@@ -7,7 +9,7 @@ For live rows i with acceptance estimates α_i (`AcceptanceTracker`) and the ste
     G(k)   = Σ_i E_i(k_i) / T(B, k', W, r),   k_i = min(k, cap_i),  r = Σ_i (k_i + 1)
     k*     = argmax_{k ∈ menu} G(k)          (0 included; ties go to the smaller k)
 
-where (k', W) is the shape the engine runs the step at (`jaxspec.policy.shape.step_shape`, the
+where (k', W) is the shape the engine runs the step at (`jaxspec.menu.step_shape`, the
 one function both use): k' the smallest menu value ≥ max_i k_i, W the window of
 max_i (len_i + k_i) + 1. A long row capped at a small k therefore does not push the window of
 the others, and each observed step time is filed under the shape that actually ran.
@@ -18,9 +20,10 @@ the others, and each observed step time is filed under the shape that actually r
 
 The cost is linear in the real tokens r with slope c = ∂T/∂r (factor · c_real, see cost_model),
 so the optimum is a threshold set: add row tokens in decreasing order of their marginal gain
-g = E_i(j) − E_i(j−1) = Π_{l≤j} α_{i,l} while g / c > G (adding raises the ratio iff its gain per second beats the current ratio; gains of a
-row never increase with j, so the greedy order is valid and the first refusal ends it). With
-c_real = 0 (a purely padded executable) every row with a useful token takes k_i = min(K, cap_i):
+g = E_i(j) − E_i(j−1) = Π_{l≤j} α_{i,l} while g / c > G (adding raises the ratio iff its gain per
+second beats the current ratio; gains of a row never increase with j, so the greedy order is
+valid and the first refusal ends it). With c_real = 0 (a purely padded executable) every row
+with a useful token takes k_i = min(K, cap_i):
 per-row k only pays off when verification is priced per real token. The allocation is then
 priced at the shape it runs (a smaller k' and window when every row ended below K).
 
@@ -57,15 +60,15 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Hashable
+from collections.abc import Hashable
 
 import numpy as np
 
+from jaxspec.menu import StepShape
 from jaxspec.policy.acceptance import AcceptanceTracker, expected_tokens
 from jaxspec.policy.base import BatchView, Decision, Policy
 from jaxspec.policy.cost_model import CostModel, CostModelError
 from jaxspec.policy.decision_log import DecisionLog
-from jaxspec.policy.shape import StepShape
 from jaxspec.types import StepResult
 
 

@@ -8,13 +8,13 @@ Per request i (transformers' `num_assistant_tokens_schedule="heuristic"`):
 
 A step runs at the padded K = the smallest menu value ≥ max_i min(k_i, cap_i) (the largest menu
 value if none is), with per-row caps row_k_i = min(k_i, cap_i, K). With `max_len`, K is also kept
-to max(context) + K + 1 ≤ max_len (the engine's capacity check). Defaults: configs/policy.yaml.
+to max(context) + K + 1 ≤ max_len (the engine's capacity check). Defaults: jaxspec/configs/policy.yaml.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable
+from collections.abc import Hashable
 
 from jaxspec.policy.base import BatchView, Decision, Policy
 from jaxspec.policy.decision_log import DecisionLog

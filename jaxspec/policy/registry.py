@@ -1,8 +1,8 @@
-"""`--policy` specs -> Policy objects.
+"""`--policy` specs (parsed by `jaxspec.policy.spec.PolicySpec`) -> Policy objects.
 
     none                  plain decoding (k = 0)
     fixed:K               always k = K (clamped to the menu and the rows' room)
-    table                 batch-size table from configs/policy.yaml
+    table                 batch-size table from jaxspec/configs/policy.yaml
     table:1=4,4=2,8=1     batch-size table given inline (live batch ≥ N -> k)
     heuristic             HF-style per-request +2 / −1
     goodput               SmartSpec: argmax_k Σ E_i(k) / T(B, k)      (needs cost_model=)
@@ -12,7 +12,7 @@ Dependencies (keyword arguments of `make_policy`):
     cost_model: CostModel           required by the goodput policies
     acceptance: AcceptanceTracker   optional; else a fresh one from the defaults
     max_len: int                    optional cache length (heuristic keeps K within it)
-    defaults: PolicyDefaults        optional; else `load_defaults()` (configs/policy.yaml)
+    defaults: PolicyDefaults        optional; else `load_defaults()` (jaxspec/configs/policy.yaml)
 """
 
 from __future__ import annotations
@@ -29,16 +29,17 @@ from jaxspec.policy.cost_model import CostModel, OnlineCostConfig
 from jaxspec.policy.fixed import FixedPolicy, NoSpeculation
 from jaxspec.policy.goodput import GoodputConfig, GoodputPerRequestPolicy, GoodputPolicy
 from jaxspec.policy.heuristic import HeuristicConfig, HeuristicPolicy
-from jaxspec.policy.table import TablePolicy, parse_table
+from jaxspec.policy.spec import PolicySpec
+from jaxspec.policy.table import TablePolicy
+from jaxspec.resources import config_file
 
-SPECS = ("none", "fixed:K", "table", "table:N=K,...", "heuristic", "goodput", "goodput-per-request")
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "policy.yaml"
+DEFAULT_CONFIG = config_file("policy.yaml")
 _DEPS = frozenset({"cost_model", "acceptance", "max_len", "defaults"})
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyDefaults:
-    """configs/policy.yaml, typed."""
+    """jaxspec/configs/policy.yaml, typed."""
 
     table: tuple[tuple[int, int], ...]
     heuristic: HeuristicConfig
@@ -68,36 +69,28 @@ def load_defaults(path: str | os.PathLike | None = None) -> PolicyDefaults:
         raise ValueError(f"{path}: {exc}") from None
 
 
-def make_policy(spec: str, **deps) -> Policy:
-    """Build the policy named by `spec` (see the module doc). Unknown specs raise ValueError."""
+def make_policy(spec: str | PolicySpec, **deps) -> Policy:
+    """Build the policy named by `spec` (text or a PolicySpec; see the module doc). Bad specs raise ValueError."""
     unknown = set(deps) - _DEPS
     if unknown:
         raise TypeError(f"make_policy got unknown dependencies {sorted(unknown)}; known: {sorted(_DEPS)}")
-    spec = spec.strip()
-    name, _, arg = spec.partition(":")
+    spec = spec if isinstance(spec, PolicySpec) else PolicySpec.parse(spec)
     defaults: PolicyDefaults = deps["defaults"] if deps.get("defaults") is not None else load_defaults()
 
-    if name == "none" and not arg:
+    if spec.name == "none":
         return NoSpeculation()
-    if name == "fixed":
-        try:
-            k = int(arg)
-        except ValueError:
-            raise ValueError(f"bad policy {spec!r}: expected fixed:K with an integer K, e.g. fixed:4") from None
-        return FixedPolicy(k)
-    if name == "table":
-        table = parse_table(arg) if arg else dict(defaults.table)
-        return TablePolicy(table, log_size=defaults.goodput.log_size)
-    if name == "heuristic" and not arg:
+    if spec.name == "fixed":
+        return FixedPolicy(spec.k)
+    if spec.name == "table":
+        return TablePolicy(dict(spec.table or defaults.table), log_size=defaults.goodput.log_size)
+    if spec.name == "heuristic":
         return HeuristicPolicy(defaults.heuristic, max_len=deps.get("max_len"), log_size=defaults.goodput.log_size)
-    if name in ("goodput", "goodput-per-request") and not arg:
-        cost = deps.get("cost_model")
-        if not isinstance(cost, CostModel):
-            raise ValueError(f"policy {name!r} needs cost_model=CostModel (from a `jaxspec profile` "
-                             f"profile: CostModel.from_profile(...)), got {type(cost).__name__}")
-        acceptance = deps.get("acceptance")
-        if acceptance is None:
-            acceptance = AcceptanceTracker(defaults.acceptance)
-        cls = GoodputPolicy if name == "goodput" else GoodputPerRequestPolicy
-        return cls(cost, acceptance, defaults.goodput)
-    raise ValueError(f"unknown policy {spec!r}; expected one of: {', '.join(SPECS)}")
+    cost = deps.get("cost_model")  # the goodput policies
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"policy {spec.name!r} needs cost_model=CostModel (from a `jaxspec profile` "
+                         f"profile: CostModel.from_profile(...)), got {type(cost).__name__}")
+    acceptance = deps.get("acceptance")
+    if acceptance is None:
+        acceptance = AcceptanceTracker(defaults.acceptance)
+    cls = GoodputPolicy if spec.name == "goodput" else GoodputPerRequestPolicy
+    return cls(cost, acceptance, defaults.goodput)

@@ -4,12 +4,12 @@
 
 e.g. {1: 4, 4: 2, 8: 1, 16: 0}: 4 proposals alone, 2 from 4 rows, 1 from 8, none from 16.
 The result is clamped like `fixed:K` (largest menu value ≤ k and ≤ every row's cap).
-Defaults: configs/policy.yaml `table`.
+Defaults: jaxspec/configs/policy.yaml `table`.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping
+from collections.abc import Hashable, Mapping
 
 from jaxspec.policy.base import BatchView, Decision, Policy, menu_at_most, row_caps
 from jaxspec.policy.decision_log import DecisionLog

@@ -36,8 +36,6 @@ class Proposer:
     """Base class; subclasses override what they need."""
 
     name: str = "none"
-    #: True if the proposer returns draft probabilities (else proposals are point masses).
-    has_probs: bool = False
     #: Per-slot state that must see every committed token (a draft KV cache). Such state is
     #: not touched in k = 0 steps (they cost exactly plain decoding); the engine tracks how far
     #: each slot lags and calls `prefill` on the missing history before the next k > 0 step.

@@ -1,6 +1,6 @@
 """Draft-model proposer: a small Llama with its own KV cache, k draft steps in one call.
 
-Keeping the draft cache in sync (DESIGN.md §11, "bonus token and draft catch-up"): steps with
+Keeping the draft cache in sync (docs/design.md, "The speculative step": lazy draft catch-up): steps with
 k = 0 do not touch the draft (they cost exactly plain decoding). A speculating step first feeds
 the draft what the target committed since the draft last saw it, through the pending token.
 After a k > 0 step at most one committed token is missing (the last accepted proposal when all
@@ -14,7 +14,7 @@ engine brings longer lags (after k = 0 steps) down to that with bucketed catch-u
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,6 @@ CATCH_UP = 2  # tokens fed to the draft at the start of every step
 class DraftModelProposer(Proposer):
     """Samples k tokens autoregressively from a draft model (warped like the target)."""
 
-    has_probs = True
     tracks_context = True
     in_step_catch_up = CATCH_UP
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from jaxspec.proposers.base import Proposer, StepContext

@@ -18,7 +18,7 @@ from models.loading.registry import (
     resolve_model,
 )
 from models.loading.safetensors import read_safetensors_dir, write_safetensors_dir
-from models.loading.tokenizer import StreamDecoder, TextTokenizer
+from models.loading.tokenizer import TextTokenizer
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -27,7 +27,6 @@ __all__ = [
     "ModelLoadError",
     "ModelSource",
     "StateDict",
-    "StreamDecoder",
     "TextTokenizer",
     "check_state_dict",
     "expected_shapes",

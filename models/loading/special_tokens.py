@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 # End-of-turn markers of common chat formats. One counts as a stop token when the chat
 # template writes it and the vocabulary has it.

@@ -1,4 +1,4 @@
-"""Text <-> token ids, chat templates and byte-exact streaming detokenisation.
+"""Text <-> token ids, chat templates and the exact bytes of each token (for streaming detokenisation).
 
 `TextTokenizer` wraps a `tokenizers.Tokenizer`, built either from a Hugging Face tokenizer.json or
 from the byte-level BPE vocabulary a GGUF file carries.
@@ -6,13 +6,13 @@ from the byte-level BPE vocabulary a GGUF file carries.
 
 from __future__ import annotations
 
-import codecs
 import datetime
 import json
 import os
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
@@ -20,8 +20,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
 from models.loading.errors import ModelLoadError
-from models.loading.layout import read_json_object
 from models.loading.gguf import GGUFSource, field_value, open_gguf, reader_path
+from models.loading.layout import read_json_object
 from models.loading.special_tokens import stop_token_ids
 
 # Split patterns of llama.cpp's `tokenizer.ggml.pre` styles, applied before byte-level encoding.
@@ -121,7 +121,7 @@ class TextTokenizer:
     # --- construction ----------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: GGUFSource) -> "TextTokenizer":
+    def from_gguf(cls, path: GGUFSource) -> TextTokenizer:
         """Rebuild the byte-level BPE tokenizer stored in a GGUF file's metadata (path or open reader)."""
         reader = open_gguf(path)
         source = str(reader_path(reader))
@@ -176,7 +176,7 @@ class TextTokenizer:
         )
 
     @classmethod
-    def from_dir(cls, directory: str | os.PathLike[str]) -> "TextTokenizer":
+    def from_dir(cls, directory: str | os.PathLike[str]) -> TextTokenizer:
         """tokenizer.json, with tokenizer_config.json, chat_template.jinja, generation_config.json if there."""
         d = Path(directory)
         path = d / "tokenizer.json"
@@ -184,7 +184,7 @@ class TextTokenizer:
             raise ModelLoadError(f"{d}: no tokenizer.json")
         try:
             tok = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the Rust binding raises a bare Exception for any bad file
             raise ModelLoadError(f"{path}: not a readable tokenizer.json ({e})") from None
         config = _read_json(d / "tokenizer_config.json")
         template = config.get("chat_template")
@@ -271,16 +271,13 @@ class TextTokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from None
 
-    # --- streaming -------------------------------------------------------------------
+    # --- token bytes (for streaming detokenisation) ----------------------------------
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes token `token_id` contributes to decoded text (may be part of a UTF-8 character)."""
         if self._token_bytes is None:
             self._token_bytes = [self._bytes_of(i) for i in range(self.vocab_size)]
         return self._token_bytes[token_id]
-
-    def stream_decoder(self, skip_special_tokens: bool = True) -> "StreamDecoder":
-        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
 
     def _detect_decoder(self, source: str) -> str:
         spec = json.loads(self._tok.decoder.__getstate__()) if self._tok.decoder is not None else {}
@@ -306,25 +303,6 @@ class TextTokenizer:
         if match:
             return bytes([int(match.group(1), 16)])
         return token.replace("\u2581", " ").encode("utf-8")
-
-
-class StreamDecoder:
-    """Turns a stream of token ids into text, emitting only complete UTF-8 characters."""
-
-    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token_id: int) -> str:
-        """Text completed by `token_id` (often '', when it ends mid-character)."""
-        if token_id in self._skip:
-            return ""
-        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
-
-    def flush(self) -> str:
-        """Whatever is left at the end of the stream (an incomplete character becomes U+FFFD)."""
-        return self._utf8.decode(b"", final=True)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -29,8 +29,8 @@ def generated_files(proto: str) -> tuple[str, ...]:
 
 def generate(out_dir: Path = PROTO_ROOT) -> list[Path]:
     """Run protoc over every proto into `out_dir`; returns the files written."""
-    from grpc_tools import protoc  # lazy: only needed to regenerate
     import grpc_tools
+    from grpc_tools import protoc  # lazy: only needed to regenerate
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from models.loading import (
     write_safetensors_dir,
 )
 from models.loading.gguf import permute_qk, unpermute_qk
-from models.loading.registry import DEFAULT_MODEL, PACKAGED
+from models.loading.registry import DEFAULT_MODEL
 from tests.models.conftest import default_gguf_path
 
 # Big enough in every input dim (256) for K-quant blocks, small enough to write in milliseconds.
@@ -332,7 +332,7 @@ def test_list_models():
 
 
 def test_load_model_from_directories(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY.vocab_size)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

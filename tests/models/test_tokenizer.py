@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-
 import pytest
 import tokenizers
 from tokenizers import AddedToken, decoders, pre_tokenizers
 
-from models.loading import ModelLoadError, StreamDecoder, TextTokenizer
-from tests.models.conftest import default_gguf_path
+from jaxspec.detokenizer import IncrementalDetokenizer
+from models.loading import ModelLoadError, TextTokenizer
 from models.loading.tokenizer import _byte_to_char
+from tests.models.conftest import default_gguf_path
 
 TEXTS = [
     "Hello, world!",
@@ -73,12 +73,12 @@ def test_chat_template(tok):
     assert tok.apply_chat_template(system).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
 
 
-def test_stream_decoder_matches_decode(tok):
+def test_token_bytes_stream_matches_decode(tok):
     text = "Emoji: 😀👍🏽🇺🇸 and 你好 — done."
     ids = tok.encode("<|im_start|>" + text)
-    stream = tok.stream_decoder()
+    stream = IncrementalDetokenizer(tok)
     pieces = [stream.push(i) for i in ids]
-    assert "".join(pieces) + stream.flush() == text == tok.decode(ids)
+    assert "".join(pieces) + stream.finish() == text == tok.decode(ids)
     assert "" in pieces[1:]  # some tokens end inside a multi-byte character
     assert b"".join(tok.token_bytes(i) for i in ids[1:]) == text.encode("utf-8")
     assert tok.token_bytes(tok.token_to_id("Ġ")) == b" "
@@ -124,16 +124,16 @@ def test_template_helpers_and_sandbox():
         tiny_tokenizer().apply_chat_template([])
 
 
-def test_stream_decoder_holds_partial_characters():
+def test_token_bytes_stream_holds_partial_characters():
     t = tiny_tokenizer()
     ids = t.encode("é<|im_end|>")
     assert len(ids) == 3  # two byte tokens for é, then the special
-    stream = StreamDecoder(t)
+    stream = IncrementalDetokenizer(t)
     assert [stream.push(i) for i in ids] == ["", "é", ""]
-    keep = t.stream_decoder(skip_special_tokens=False)
+    keep = IncrementalDetokenizer(t, skip_special_tokens=False)
     assert "".join(keep.push(i) for i in ids) == "é<|im_end|>"
-    cut = t.stream_decoder()
-    assert cut.push(ids[0]) == "" and cut.flush() == "\ufffd"
+    cut = IncrementalDetokenizer(t)
+    assert cut.push(ids[0]) == "" and cut.finish() == "\ufffd"
 
 
 def test_tokenizer_load_errors(tmp_path):

@@ -7,13 +7,13 @@ function through an injected clock.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
+from jaxspec.menu import step_shape
 from jaxspec.policy.base import BatchView, Decision
-from jaxspec.policy.cost_model import CostModel
-from jaxspec.policy.shape import step_shape
+from jaxspec.policy.cost_model import CostEntry, CostModel, LinearCostFit, OnlineCostConfig
 from jaxspec.types import StepResult
 
 MENU_B = (1, 2, 4, 8, 16)
@@ -25,14 +25,22 @@ def linear_cost(step=10e-3, per_token=0.05e-3, draft_step=1.5e-3, draft_token=0.
     """T(B, k, W) = step + draft_step·k + draft_token·B·k + per_token·B·(k+1) + attention·B·(k+1)·W/1024."""
     def fn(b, k, w):
         verify_tokens = b * (k + 1)
-        return step + draft_step * k + draft_token * b * k + per_token * verify_tokens + attention * verify_tokens * w / 1024
+        return (step + draft_step * k + draft_token * b * k + per_token * verify_tokens
+                + attention * verify_tokens * w / 1024)
     return fn
 
 
+def synthetic_cost_model(fn, batch_buckets: Sequence[int], k_menu: Sequence[int], window_buckets: Sequence[int], *,
+                         real_token_s: float = 0.0, online: OnlineCostConfig = OnlineCostConfig()) -> CostModel:
+    """A cost model profiled on fn(B, k, W) over the whole menu, plus its fit (synthetic step costs)."""
+    entries = [CostEntry(b, k, w, float(fn(b, k, w))) for b in batch_buckets for k in k_menu for w in window_buckets]
+    return CostModel({e.shape: e.seconds for e in entries}, LinearCostFit.fit(entries),
+                     window_buckets=tuple(window_buckets), real_token_s=real_token_s, online=online)
+
+
 def cost_model(fn=None, real_token_s=0.0, **online) -> CostModel:
-    from jaxspec.policy.cost_model import OnlineCostConfig
-    return CostModel.from_function(fn or linear_cost(), MENU_B, MENU_K, WINDOWS, real_token_s=real_token_s,
-                                   online=OnlineCostConfig(**online) if online else OnlineCostConfig())
+    return synthetic_cost_model(fn or linear_cost(), MENU_B, MENU_K, WINDOWS, real_token_s=real_token_s,
+                                online=OnlineCostConfig(**online))
 
 
 def view(n: int, *, ids: Sequence[Hashable] | None = None, ctx: int = 100, caps: Sequence[int] | None = None,

@@ -5,8 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec.policy.acceptance import (AcceptanceConfig, AcceptanceTracker, expected_tokens,
-                                       expected_tokens_positional, truncated_counts)
+from jaxspec.policy.acceptance import (
+    AcceptanceConfig,
+    AcceptanceTracker,
+    expected_tokens,
+    expected_tokens_positional,
+    truncated_counts,
+)
 from tests.policy.sim import simulate_result
 
 

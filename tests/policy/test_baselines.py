@@ -10,6 +10,7 @@ from jaxspec.policy.fixed import FixedPolicy, NoSpeculation
 from jaxspec.policy.goodput import GoodputPerRequestPolicy, GoodputPolicy
 from jaxspec.policy.heuristic import HeuristicConfig, HeuristicPolicy
 from jaxspec.policy.registry import PolicyDefaults, load_defaults, make_policy
+from jaxspec.policy.spec import PolicySpec
 from jaxspec.policy.table import TablePolicy, parse_table
 from jaxspec.types import StepResult
 from tests.policy.sim import cost_model, view
@@ -128,6 +129,28 @@ def test_registry_errors_are_clear():
         make_policy("goodput")
     with pytest.raises(TypeError, match="unknown dependencies"):
         make_policy("none", clock=None)
+
+
+def test_policy_spec_says_what_a_policy_needs():
+    menu = (0, 1, 2, 4)
+    cases = {  # text: (needs_cost_model, needs_proposer, k values compiled)
+        "none": (False, False, (0,)), "fixed:2": (False, True, (2,)), "table": (False, True, menu),
+        "table:1=4,4=2": (False, True, menu), "heuristic": (False, True, menu), "goodput": (True, True, menu),
+        "goodput-per-request": (True, True, menu),
+    }
+    for text, (cost, proposer, ks) in cases.items():
+        spec = PolicySpec.parse(f" {text} ")
+        assert (spec.needs_cost_model, spec.needs_proposer, spec.k_values(menu)) == (cost, proposer, ks), text
+        assert str(spec) == text and PolicySpec.parse(str(spec)) == spec
+    assert PolicySpec.parse("fixed:4").k == 4 and PolicySpec.parse("table:4=2,1=3").table == ((1, 3), (4, 2))
+    assert PolicySpec.default_for("ngram") == PolicySpec.parse("goodput")
+    assert PolicySpec.default_for("none") == PolicySpec.parse("none")
+    with pytest.raises(ValueError, match=r"fixed:3 is not in the menu's k values \(0, 1, 2, 4\)"):
+        PolicySpec.parse("fixed:3").k_values(menu)
+    for bad, message in (("fixed", "fixed:K"), ("fixed:-1", "fixed:K"), ("goodput:3", "takes no argument"),
+                         ("table:1", "BATCH=K"), ("bogus", "unknown policy 'bogus'"), ("", "unknown policy")):
+        with pytest.raises(ValueError, match=message):
+            PolicySpec.parse(bad)
 
 
 def test_defaults_file(tmp_path):

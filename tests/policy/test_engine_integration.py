@@ -7,7 +7,8 @@ import time
 import numpy as np
 
 from jaxspec import compile_counter, profiler
-from jaxspec.engine import Engine, EngineConfig
+from jaxspec.engine import Engine
+from jaxspec.menu import Menu
 from jaxspec.policy.acceptance import AcceptanceTracker
 from jaxspec.policy.base import BatchView
 from jaxspec.policy.cost_model import CostModel, OnlineCostConfig
@@ -16,9 +17,9 @@ from jaxspec.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
 from models.config import TINY
 from tests.conftest import random_prompts
-from tests.policy.sim import linear_cost
+from tests.policy.sim import linear_cost, synthetic_cost_model
 
-MENU = EngineConfig(num_slots=2, max_len=128, batch_buckets=(2,), k_menu=(0, 2, 4), window_buckets=(128,),
+MENU = Menu(num_slots=2, max_len=128, batch_buckets=(2,), k_menu=(0, 2, 4), window_buckets=(128,),
                     prefill_buckets=(32,))
 N_NEW = 60
 
@@ -67,8 +68,8 @@ def test_goodput_policies_keep_greedy_output_and_compile_nothing(tiny_model):
     profile = profiler.profile_engine(engine, repeats=2, progress=False)
     # synthetic prices (no online correction: this CPU is not the synthetic device) make the choices
     # deterministic and speculative, so the equality check sees k > 0 and per-row k
-    synthetic = CostModel.from_function(linear_cost(), MENU.batch_buckets, MENU.k_menu, MENU.window_buckets,
-                                        real_token_s=0.5e-3, online=OnlineCostConfig(ema_weight=0.0))
+    synthetic = synthetic_cost_model(linear_cost(), MENU.batch_buckets, MENU.k_menu, MENU.window_buckets,
+                                     real_token_s=0.5e-3, online=OnlineCostConfig(ema_weight=0.0))
     runs = {
         "goodput/profiled": GoodputPolicy(CostModel.from_profile(profile), AcceptanceTracker()),
         "goodput/synthetic": GoodputPolicy(synthetic, AcceptanceTracker()),

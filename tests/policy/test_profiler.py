@@ -3,84 +3,49 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from jaxspec import profiler
+from jaxspec.fake_engine import FakeEngine
+from jaxspec.menu import Menu, step_shape
 from jaxspec.policy.cost_model import CostModel, load_matching_profile
-from jaxspec.policy.shape import step_shape
-from jaxspec.types import StepResult
 from tests.policy.sim import Clock, linear_cost
 
-
-@dataclasses.dataclass(frozen=True)
-class FakeConfig:
-    num_slots: int = 4
-    max_len: int = 512
-    batch_buckets: tuple = (1, 2, 4)
-    k_menu: tuple = (0, 2, 4)
-    window_buckets: tuple = (128, 512)
+MENU = Menu(num_slots=4, max_len=512, batch_buckets=(1, 2, 4), k_menu=(0, 2, 4), window_buckets=(128, 512),
+            prefill_buckets=(128,))
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeModelConfig:
-    name: str = "fake-target"
-    vocab_size: int = 32
+class TimedFakeEngine(FakeEngine):
+    """The contract's fake engine with synthetic step times: the clock advances by cost(B, k, W)
+    per step, less `real_token_s` per token slot the rows' caps leave unused."""
 
-
-@dataclasses.dataclass(frozen=True)
-class FakeProposer:
-    name: str = "ngram"
-
-
-class FakeEngine:
-    """Engine contract with synthetic step times: the clock advances by cost(B, k, W) per step."""
-
-    def __init__(self, clock: Clock, cost, real_token_s=0.0, config=FakeConfig(), jitter=0.0):
-        self.config, self.clock, self.cost, self.real_token_s = config, clock, cost, real_token_s
+    def __init__(self, clock: Clock, cost, real_token_s=0.0, jitter=0.0):
+        super().__init__(MENU, vocab_size=32, model_name="fake-target", proposer_name="ngram", accept=1)
+        self.clock, self.cost, self.real_token_s = clock, cost, real_token_s
         self.jitter, self.rng = jitter, np.random.default_rng(0)
-        self.model_config, self.proposer = FakeModelConfig(), FakeProposer()
-        self.lengths = np.zeros(config.num_slots, np.int64)
-        self.warmed = False
         self.steps: list[tuple[int, int, int]] = []
-
-    def warmup(self, keys=None, progress=True):
-        self.warmed = True
-        return 0
-
-    def prefill(self, slot, prompt, params, seed=0):
-        assert all(0 <= t < self.model_config.vocab_size for t in prompt)
-        self.lengths[slot] = len(prompt)
-        return 0
-
-    def free(self, slot):
-        self.lengths[slot] = 0
+        self.warmup()
 
     def step(self, slot_ids, k, row_k=None):
-        """Runs at the engine's shape: rows all capped below k run a smaller k (and window)."""
-        assert self.warmed, "profiling before warm-up"
-        n = len(slot_ids)
-        b = next(b for b in self.config.batch_buckets if b >= n)
-        shape = step_shape(self.lengths[slot_ids], row_k, k, self.config.k_menu, self.config.window_buckets)
-        k, w, caps = shape.k, shape.window, list(shape.caps)
-        gap = b * (k + 1) - sum(c + 1 for c in caps)
-        self.clock.now += self.cost(b, k, w) - self.real_token_s * gap + self.jitter * self.rng.random()
-        self.steps.append((b, k, w))
-        counts = np.array([c + 1 for c in caps])
-        self.lengths[slot_ids] += counts
-        return StepResult(tokens=np.zeros((n, k + 1), np.int32), counts=counts, proposed=np.array(caps))
+        result = super().step(slot_ids, k, row_k)
+        key = self.calls[-1].key
+        gap = key.batch * (key.k + 1) - int(result.proposed.sum()) - len(slot_ids)
+        self.clock.now += (self.cost(key.batch, key.k, key.window) - self.real_token_s * gap
+                           + self.jitter * self.rng.random())
+        self.steps.append((key.batch, key.k, key.window))
+        return result
 
 
 def test_profile_times_every_shape_of_the_menu():
     fn = linear_cost(step=2e-3, per_token=0.1e-3, draft_step=0.3e-3, attention=0.05e-3)
     clock = Clock()
-    engine = FakeEngine(clock, fn, real_token_s=0.02e-3)
+    engine = TimedFakeEngine(clock, fn, real_token_s=0.02e-3)
     profile = profiler.profile_engine(engine, repeats=3, progress=False, clock=clock, wall_clock=lambda: 42.0,
                                       kind="fake-device")
-    c = engine.config
+    c = engine.menu
     assert {e.shape for e in profile.entries} == {(b, k, w) for b in c.batch_buckets for k in c.k_menu
                                                   for w in c.window_buckets}
     for e in profile.entries:
@@ -90,7 +55,7 @@ def test_profile_times_every_shape_of_the_menu():
     assert profile.key.draft == "ngram" and profile.key.k_menu == c.k_menu and profile.created_unix == 42.0
     # every timed step ran at the shape it was recorded under (re-prefill kept the window fixed)
     assert set(engine.steps) == {e.shape for e in profile.entries}
-    assert not engine.lengths.any()  # slots freed
+    assert not any(engine.length(s) for s in range(MENU.num_slots))  # slots freed
     model = CostModel.from_profile(profile)
     assert model.step_time(4, 4, 512) == pytest.approx(fn(4, 4, 512))
     assert model.base_time(8, 4, 512) == pytest.approx(fn(8, 4, 512), rel=1e-6)  # not profiled: the fit
@@ -98,7 +63,7 @@ def test_profile_times_every_shape_of_the_menu():
 
 def test_profile_at_given_contexts_and_without_probe():
     clock = Clock()
-    engine = FakeEngine(clock, linear_cost())
+    engine = TimedFakeEngine(clock, linear_cost())
     profile = profiler.profile_engine(engine, contexts=[300], repeats=1, progress=False, clock=clock,
                                       real_token_probe=False, kind="x")
     assert {e.window for e in profile.entries} == {512} and profile.real_token_s == 0.0
@@ -110,10 +75,10 @@ def test_profile_at_given_contexts_and_without_probe():
 
 def test_timing_noise_does_not_invent_a_per_token_price():
     clock = Clock()
-    engine = FakeEngine(clock, linear_cost(), real_token_s=0.0, jitter=1e-3)
+    engine = TimedFakeEngine(clock, linear_cost(), real_token_s=0.0, jitter=1e-3)
     profile = profiler.profile_engine(engine, repeats=5, progress=False, clock=clock, kind="x")
     assert profile.real_token_s == 0.0
-    engine = FakeEngine(clock, linear_cost(), real_token_s=0.05e-3, jitter=1e-5)
+    engine = TimedFakeEngine(clock, linear_cost(), real_token_s=0.05e-3, jitter=1e-5)
     profile = profiler.profile_engine(engine, repeats=5, progress=False, clock=clock, kind="x")
     assert profile.real_token_s == pytest.approx(0.05e-3, rel=0.1)
 
@@ -139,7 +104,7 @@ def test_cli_run_saves_a_matching_profile(tmp_path, capsys, monkeypatch):
 
     def builder(args):
         seen.append(args)
-        return FakeEngine(clock, linear_cost())
+        return TimedFakeEngine(clock, linear_cost())
 
     parser = argparse.ArgumentParser()
     profiler.add_arguments(parser)
@@ -154,6 +119,6 @@ def test_cli_run_saves_a_matching_profile(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(tmp_path / "profiles"))
     args = parser.parse_args(["--repeats", "1", "--no-progress"])
     assert profiler.run(args, builder=builder) == 0
-    engine = FakeEngine(clock, linear_cost())
+    engine = TimedFakeEngine(clock, linear_cost())
     assert load_matching_profile(profiler.profile_key(engine)) is not None
     assert "B=4" in capsys.readouterr().out

@@ -1,4 +1,7 @@
-"""Shared pieces of the serving tests: tiny engines, a step gate, servers on ephemeral ports."""
+"""Shared pieces of the serving tests: fake and tiny engines, a step gate, servers on ephemeral ports.
+
+Most server tests run on `jaxspec.fake_engine.FakeEngine` (the engine contract without XLA: next token =
+previous + 1 mod 64, the first `accept` proposals right); a few end-to-end ones use the real tiny engine."""
 
 from __future__ import annotations
 
@@ -6,43 +9,64 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
-from jaxspec.engine import Engine, EngineConfig
+from jaxspec.engine import Engine
+from jaxspec.engine_api import EngineAPI
+from jaxspec.fake_engine import FakeEngine
+from jaxspec.menu import Menu
 from jaxspec.policy.acceptance import AcceptanceTracker
-from jaxspec.policy.cost_model import CostModel, OnlineCostConfig
+from jaxspec.policy.cost_model import OnlineCostConfig
 from jaxspec.policy.goodput import GoodputPolicy
 from serving.client import GenerationClient
-from serving.grpc_server import GenerationServer, ServeConfig
-from tests.policy.sim import linear_cost
+from serving.serve_config import ServeConfig
+from serving.service import GenerationServer
+from tests.policy.sim import linear_cost, synthetic_cost_model
 
 HOST = "127.0.0.1"
 
 
-def tiny_engine(model, proposer=None, *, slots: int = 8, k_menu=(0,), max_len: int = 128) -> Engine:
+def small_menu(*, slots: int = 8, k_menu=(0,), max_len: int = 128) -> Menu:
     """One batch bucket (= slots), one window, one prefill chunk: few shapes to compile."""
-    config = EngineConfig(num_slots=slots, max_len=max_len, batch_buckets=(slots,), k_menu=k_menu,
-                          window_buckets=(max_len,), prefill_buckets=(32,))
-    engine = Engine(model, proposer, config)
+    return Menu(num_slots=slots, max_len=max_len, batch_buckets=(slots,), k_menu=k_menu, window_buckets=(max_len,),
+                prefill_buckets=(32,))
+
+
+def tiny_engine(model, proposer=None, *, slots: int = 8, k_menu=(0,), max_len: int = 128) -> Engine:
+    """The real engine over `model` on a small menu, warmed up."""
+    engine = Engine(model, proposer, small_menu(slots=slots, k_menu=k_menu, max_len=max_len))
     engine.warmup(progress=False)
     return engine
 
 
-def synthetic_goodput(engine: Engine) -> GoodputPolicy:
+def fake_engine(*, slots: int = 8, k_menu=(0,), max_len: int = 128, accept: int = 0) -> FakeEngine:
+    """A FakeEngine with the ascii tokenizer's 64 ids on a small menu, warmed up (nothing compiles)."""
+    engine = FakeEngine(small_menu(slots=slots, k_menu=k_menu, max_len=max_len), vocab_size=64, accept=accept,
+                        proposer_name=f"fake(accept={accept})")
+    engine.warmup(progress=False)
+    return engine
+
+
+def all_slots_free(engine: EngineAPI) -> bool:
+    """No slot holds a token (every request's slot was freed)."""
+    return all(engine.length(slot) == 0 for slot in range(engine.menu.num_slots))
+
+
+def synthetic_goodput(engine: EngineAPI) -> GoodputPolicy:
     """SmartSpec over synthetic step costs (no online correction): speculates, deterministically."""
-    c = engine.config
-    cost = CostModel.from_function(linear_cost(), c.batch_buckets, c.k_menu, c.window_buckets,
-                                   online=OnlineCostConfig(ema_weight=0.0))
+    c = engine.menu
+    cost = synthetic_cost_model(linear_cost(), c.batch_buckets, c.k_menu, c.window_buckets,
+                                online=OnlineCostConfig(ema_weight=0.0))
     return GoodputPolicy(cost, AcceptanceTracker())
 
 
 class StepGate:
     """Holds the engine thread at the start of `engine.step` while closed (tests of timing-dependent paths)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineAPI):
         self._open = threading.Event()
         self._open.set()
         self.blocked = threading.Event()  # the engine thread is waiting at the gate
@@ -73,7 +97,8 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
 
 
 def start_server(engine, tokenizer, policy, **config) -> GenerationServer:
-    return GenerationServer(engine, tokenizer, policy, ServeConfig(host=HOST, port=0, **config)).start()
+    return GenerationServer(engine, tokenizer, policy, ServeConfig(host=HOST, port=0, **config),
+                            model_name="tiny").start()
 
 
 def client_for(server: GenerationServer, **kwargs) -> GenerationClient:
@@ -103,7 +128,7 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
 
     private = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
                    .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
                    .not_valid_after(now + datetime.timedelta(days=1))

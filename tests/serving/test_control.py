@@ -1,5 +1,6 @@
 """Timing-dependent paths on a server whose engine steps can be held at a gate: a full queue,
-cancellation within one step, deadlines, warm-up gating; and bearer-token auth (this server needs one)."""
+cancellation within one step, deadlines, warm-up gating; and bearer-token auth (this server needs one).
+On the fake engine, except `build_server` end to end (a real tiny engine, profiled once)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,29 @@ import time
 import grpc
 import pytest
 
-from serving.grpc_server import SERVICE_NAME, GenerationServer, ServeConfig
+from jaxspec.fake_engine import FakeEngine
 from serving.proto.jaxspec.v1 import generation_pb2 as pb
+from serving.serve_config import ServeConfig
+from serving.service import SERVICE_NAME, GenerationServer
 from tests.fake_tokenizer import ascii_tokenizer
-from tests.serving.conftest import HOST, StepGate, client_for, start_server, tiny_engine, wait_until
+from tests.serving.conftest import (
+    HOST,
+    StepGate,
+    all_slots_free,
+    client_for,
+    fake_engine,
+    small_menu,
+    start_server,
+    wait_until,
+)
 
 TOKEN = "s3cret-token"
 LONG = dict(prompt="hold on", max_tokens=30, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def gated(tiny_model):
-    engine = tiny_engine(tiny_model, slots=2)
+def gated():
+    engine = fake_engine(slots=2)
     gate = StepGate(engine)
     server = start_server(engine, ascii_tokenizer(), None, max_queue=2, auth_token=TOKEN)
     client = client_for(server, auth_token=TOKEN)
@@ -91,8 +103,8 @@ def test_full_queue_is_resource_exhausted_then_serves_normally(gated, gate):
 def test_cancel_frees_the_slot_within_one_step(gated, gate):
     server, client, _ = gated
     scheduler = server.scheduler
+    gate.close()  # before the call: a fake engine's 30 steps would be over before it closed
     call = client.generate(**LONG)
-    gate.close()
     request_id = first_message(call).request_id
     assert gate.blocked.wait(10)  # the request's next step is in progress (held)
     steps = scheduler.steps_run
@@ -102,7 +114,7 @@ def test_cancel_frees_the_slot_within_one_step(gated, gate):
     gate.open()
     wait_until(lambda: scheduler.num_running == 0, what="the slot to be freed")
     assert scheduler.steps_run <= steps + 1  # only the step that was in progress ran
-    assert not server.engine.lengths.any()
+    assert all_slots_free(server.engine)
     wait_until(lambda: code(server, "CANCELLED") == 1, what="the call counted as CANCELLED")
 
 
@@ -120,16 +132,14 @@ def test_deadline_is_honoured(gated, gate):
     time.sleep(max(0.0, t_first + 0.5 - time.monotonic()))  # the server's copy of the deadline has passed too
     assert server.scheduler.num_running == 1  # still held at the gate
     gate.open()
-    wait_until(lambda: server.scheduler.num_live == 0 and server.scheduler.num_running == 0, what="the slot to be freed")
+    wait_until(lambda: server.scheduler.num_live == 0 and server.scheduler.num_running == 0,
+               what="the slot to be freed")
     wait_until(lambda: code(server, "DEADLINE_EXCEEDED") == 1, what="the call counted as DEADLINE_EXCEEDED")
 
 
-def test_unavailable_and_not_serving_until_warm(tiny_model):
+def test_unavailable_and_not_serving_until_warm():
     """Health is NOT_SERVING and Generate UNAVAILABLE while the menu compiles; SERVING afterwards."""
-    from jaxspec.engine import Engine, EngineConfig
-
-    engine = Engine(tiny_model, None, EngineConfig(num_slots=1, max_len=64, batch_buckets=(1,), k_menu=(0,),
-                                                   window_buckets=(64,), prefill_buckets=(16,)))
+    engine = FakeEngine(small_menu(slots=1, max_len=64), vocab_size=64)
     seen = {}
     warmup = engine.warmup
 
@@ -142,7 +152,7 @@ def test_unavailable_and_not_serving_until_warm(tiny_model):
         return warmup(progress=progress)
 
     engine.warmup = probing_warmup
-    server = GenerationServer(engine, ascii_tokenizer(), None, ServeConfig(host=HOST, port=0))
+    server = GenerationServer(engine, ascii_tokenizer(), None, ServeConfig(host=HOST, port=0), model_name="tiny")
     server.start()
     try:
         assert seen["health"] == "NOT_SERVING"
@@ -157,7 +167,7 @@ def test_build_server_profiles_a_goodput_policy_once(tmp_path, monkeypatch):
     """`jaxspec serve --model tiny --tokenizer ascii --proposer ngram`: the default policy is goodput; the
     first start measures and saves the cost profile, the next one loads it."""
     from jaxspec import profiler
-    from serving.grpc_server import build_server
+    from serving.serve_cmd import build_server
 
     monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(tmp_path / "profiles"))
     menu = tmp_path / "menu.yaml"
@@ -171,7 +181,8 @@ def test_build_server_profiles_a_goodput_policy_once(tmp_path, monkeypatch):
         assert saved.name == profiler.profile_key(server.engine).filename()
         with client_for(server) as client:
             [model] = client.list_models()
-            assert (model.name, model.proposer, model.policy, list(model.k_menu)) == ("tiny", "ngram", "goodput", [0, 2])
+            assert (model.name, model.policy, list(model.k_menu)) == ("tiny", "goodput", [0, 2])
+            assert model.proposer == server.engine.proposer_name
             assert len(list(client.generate("abab abab ab", max_tokens=6, ignore_eos=True))) >= 2
     finally:
         server.shutdown()

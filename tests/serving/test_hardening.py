@@ -1,6 +1,7 @@
 """A hostile client against a server with a bearer token: half-open calls (headers, never a request
 message), garbage bodies, random method names, bearer-scheme spelling, oversized requests and
-over-long echoed values. The server has a small pending-call cap and a short request timeout."""
+over-long echoed values. The server (on the fake engine) has a small pending-call cap and a short request
+timeout."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 
 from serving import auth
 from serving.client import GenerationClient
-from serving.grpc_server import SERVICE_NAME, add_serve_arguments, serve_config_from_args
 from serving.proto.jaxspec.v1 import generation_pb2 as pb
+from serving.serve_cmd import add_serve_arguments, serve_config_from_args
+from serving.service import SERVICE_NAME
 from tests.fake_tokenizer import ascii_tokenizer
-from tests.serving.conftest import HOST, client_for, start_server, tiny_engine, wait_until
+from tests.serving.conftest import HOST, client_for, fake_engine, start_server, wait_until
 
 TOKEN = "hardening-token"
 BEARER = (("authorization", f"Bearer {TOKEN}"),)
@@ -34,8 +36,8 @@ REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 
 
 @pytest.fixture(scope="module")
-def guarded(tiny_model):
-    server = start_server(tiny_engine(tiny_model, slots=2), ascii_tokenizer(), None, max_queue=2, auth_token=TOKEN,
+def guarded():
+    server = start_server(fake_engine(slots=2), ascii_tokenizer(), None, max_queue=2, auth_token=TOKEN,
                           max_pending_calls=PENDING, request_timeout_s=TIMEOUT_S)
     client = client_for(server, auth_token=TOKEN)
     yield server, client

@@ -6,11 +6,13 @@ import dataclasses
 
 import pytest
 
-from serving.grpc_server import (DEFAULT_CONFIG, RpcError, ServeConfig, load_serve_config, parse_generate_request,
-                                 resolve_tokenizer)
+from jaxspec.engine_args import TOKENIZERS, EngineArgs
 from serving.proto import generate as proto_gen
 from serving.proto.jaxspec.v1 import generation_pb2 as pb
-from serving.toy_tokenizer import ascii_tokenizer, byte_tokenizer
+from serving.runtime import resolve_tokenizer
+from serving.serve_config import DEFAULT_CONFIG, ServeConfig, load_serve_config
+from serving.toy_tokenizer import TOY_TOKENIZERS, ascii_tokenizer, byte_tokenizer
+from serving.wire import RpcError, parse_generate_request
 
 
 def test_generated_modules_match_the_proto(tmp_path):
@@ -78,3 +80,12 @@ def test_toy_tokenizers():
     assert resolve_tokenizer("ascii", None, "tiny").vocab_size == 64
     with pytest.raises(ValueError, match="unknown tokenizer"):
         resolve_tokenizer("sentencepiece", None, "tiny")
+    assert TOKENIZERS == ("model", *TOY_TOKENIZERS)  # the --tokenizer choices are the toys and the model's own
+
+
+def test_serve_config_names_the_engine_args():
+    config = ServeConfig(model="tiny", proposer="ngram", policy="fixed:2", menu="tiny", tokenizer="ascii")
+    assert config.engine_args() == EngineArgs(model="tiny", proposer="ngram", policy="fixed:2", menu="tiny",
+                                              tokenizer="ascii")
+    with pytest.raises(ValueError, match="needs a proposer"):
+        ServeConfig(policy="heuristic").engine_args()

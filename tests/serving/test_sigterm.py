@@ -38,15 +38,20 @@ def start_process(*flags: str) -> tuple[subprocess.Popen, list[str]]:
     return proc, lines
 
 
+def connect(proc, lines) -> GenerationClient:
+    """Wait for the served tiny model to announce its port; a client for it."""
+    wait_until(lambda: any("jaxspec serve: tiny on" in l for l in lines) or proc.poll() is not None,
+               timeout=120, what="the server to start")
+    assert proc.poll() is None, "".join(lines)
+    port = int(re.search(r"jaxspec serve: tiny on [\d.]+:(\d+)", "".join(lines)).group(1))
+    return GenerationClient(f"{HOST}:{port}")
+
+
 def test_sigterm_drains_in_flight_streams_and_exits_0():
     proc, lines = start_process("--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--proposer", "none",
                                 "--policy", "none", "--host", HOST, "--port", "0")
     try:
-        wait_until(lambda: any("jaxspec serve: tiny on" in l for l in lines) or proc.poll() is not None,
-                   timeout=120, what="the server to start")
-        assert proc.poll() is None, "".join(lines)
-        port = int(re.search(r"jaxspec serve: tiny on [\d.]+:(\d+)", "".join(lines)).group(1))
-        client = GenerationClient(f"{HOST}:{port}")
+        client = connect(proc, lines)
         assert client.health() == "SERVING"
         calls = [client.generate("drain me", max_tokens=TOKENS, ignore_eos=True, timeout=60) for _ in range(3)]
         firsts = [next(call) for call in calls]
@@ -78,11 +83,7 @@ def test_second_sigterm_drops_in_flight_streams_and_exits_1():
     proc, lines = start_process("--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--proposer", "none",
                                 "--policy", "none", "--host", HOST, "--port", "0")
     try:
-        wait_until(lambda: any("jaxspec serve: tiny on" in l for l in lines) or proc.poll() is not None,
-                   timeout=120, what="the server to start")
-        assert proc.poll() is None, "".join(lines)
-        port = int(re.search(r"jaxspec serve: tiny on [\d.]+:(\d+)", "".join(lines)).group(1))
-        client = GenerationClient(f"{HOST}:{port}")
+        client = connect(proc, lines)
         # 100 tokens: >= 5 s of steps after the first message, far past the two signals below
         calls = [client.generate("drop me", max_tokens=100, ignore_eos=True, timeout=60) for _ in range(3)]
         assert all(next(call).token_ids for call in calls)
@@ -107,7 +108,7 @@ def test_second_sigterm_drops_in_flight_streams_and_exits_1():
 
 
 def test_preset_without_tokenizer_is_a_clear_error(capsys):
-    from serving.grpc_server import add_serve_arguments, run_serve
+    from serving.serve_cmd import add_serve_arguments, run_serve
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

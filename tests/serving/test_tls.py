@@ -1,4 +1,4 @@
-"""TLS with a self-signed certificate made for the test, together with bearer-token auth."""
+"""TLS with a self-signed certificate made for the test, together with bearer-token auth (on the fake engine)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ import pytest
 
 from serving import client as client_cli
 from serving.client import GenerationClient
-from serving.grpc_server import GenerationServer, add_serve_arguments, run_serve, serve_config_from_args
+from serving.serve_cmd import add_serve_arguments, run_serve, serve_config_from_args
+from serving.service import GenerationServer
 from tests.fake_tokenizer import ascii_tokenizer
-from tests.serving.conftest import HOST, self_signed_cert, start_server, tiny_engine
+from tests.serving.conftest import HOST, fake_engine, self_signed_cert, start_server
 
 TOKEN = "tls-token"
 
 
 @pytest.fixture(scope="module")
-def tls_server(tiny_model, tmp_path_factory):
+def tls_server(tmp_path_factory):
     cert, key = self_signed_cert(tmp_path_factory.mktemp("tls"))
-    server = start_server(tiny_engine(tiny_model, slots=1), ascii_tokenizer(), None, tls_cert=str(cert),
+    server = start_server(fake_engine(slots=1), ascii_tokenizer(), None, tls_cert=str(cert),
                           tls_key=str(key), auth_token=TOKEN)
     yield server, cert
     assert server.shutdown(timeout=10)
@@ -54,17 +55,18 @@ def test_client_cli_over_tls(tls_server):
     assert out.getvalue().endswith("\n")
 
 
-def test_key_not_matching_its_certificate_is_a_clear_error(tiny_model, tmp_path, capsys):
+def test_key_not_matching_its_certificate_is_a_clear_error(tmp_path, capsys):
     """Checked before binding: the message names the mismatch (gRPC alone says only 'cannot bind'), exit 2."""
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
     cert, _ = self_signed_cert(tmp_path / "a")
     _, other_key = self_signed_cert(tmp_path / "b")  # another pair's key
-    engine = tiny_engine(tiny_model, slots=1)
+    engine = fake_engine(slots=1)
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     args = parser.parse_args(["--host", HOST, "--port", "0", "--tls-cert", str(cert), "--tls-key", str(other_key)])
     with pytest.raises(ValueError, match=f"TLS key {other_key} does not match the certificate {cert}"):
-        GenerationServer(engine, ascii_tokenizer(), None, serve_config_from_args(args)).start()
-    assert run_serve(args, build=lambda config: GenerationServer(engine, ascii_tokenizer(), None, config)) == 2
+        GenerationServer(engine, ascii_tokenizer(), None, serve_config_from_args(args), model_name="tiny").start()
+    assert run_serve(args, build=lambda config: GenerationServer(engine, ascii_tokenizer(), None, config,
+                                                                 model_name="tiny")) == 2
     assert f"TLS key {other_key} does not match the certificate {cert}" in capsys.readouterr().err
