@@ -140,10 +140,10 @@ def bench_menu(s: Settings):
                         window_buckets=windows, prefill_buckets=prefill)
 
 
-def make_bench_policy(spec: str, engine, max_len: int):
+def make_bench_policy(spec: str, engine):
     from serving.runtime import build_policy
 
-    return build_policy(spec, max_len=max_len, engine=engine, progress=False)
+    return build_policy(spec, engine=engine, progress=False)
 
 
 # --- the sweep (shared with benchmarks/gpu_bench.py) ------------------------------------------------
@@ -202,7 +202,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
         engines[name] = Engine(target, prop, menu)
         engines[name].warmup(progress=s.progress)
         if any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
-            make_bench_policy("goodput", engines[name], menu.max_len)  # profile now (cached on disk)
+            make_bench_policy("goodput", engines[name])  # profile now (cached on disk)
     log(f"warm-up + profiles: {time.perf_counter() - t0:.1f} s")
 
     def runs_for(workload_name):
@@ -234,7 +234,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
             outputs = {}
 
             def cell(engine, spec, proposer_name):
-                policy = None if spec == "none" else make_bench_policy(spec, engine, menu.max_len)
+                policy = None if spec == "none" else make_bench_policy(spec, engine)
                 sched = _scheduler(engine, policy, tokenizer, s.capacity)
                 before = compile_counter.count()
                 catch_up_before = dataclasses.replace(engine.catch_up_totals)

@@ -212,12 +212,12 @@ def run_peers(model_spec: str | None, built, n_prompts: int = 3, n_tokens: int =
     lookup = Engine(built.model, PromptLookupProposer(1, prompt_lookup), menu)
     plain.warmup(progress=False)
     lookup.warmup(progress=False)
-    build_policy("goodput", max_len=max_len, engine=lookup, progress=False)  # profile before timing
+    build_policy("goodput", engine=lookup, progress=False)  # profile before timing
 
     rows = {}
     _hf_generate(hf, prompts[0], 4, None)  # warm-up
     _ours(plain, None, None, prompts[:1], 4)
-    _ours(lookup, lambda: build_policy("goodput", max_len=max_len, engine=lookup, progress=False), None, prompts[:1], 4)
+    _ours(lookup, lambda: build_policy("goodput", engine=lookup, progress=False), None, prompts[:1], 4)
     for label, pl in (("plain", None), ("prompt_lookup", prompt_lookup)):
         t = time.perf_counter()
         hf_out = [_hf_generate(hf, p, n_tokens, pl) for p in prompts]
@@ -226,7 +226,7 @@ def run_peers(model_spec: str | None, built, n_prompts: int = 3, n_tokens: int =
             ours, ours_s = _ours(plain, None, None, prompts, n_tokens)
         else:
             def goodput():
-                return build_policy("goodput", max_len=max_len, engine=lookup, progress=False)
+                return build_policy("goodput", engine=lookup, progress=False)
 
             ours, ours_s = _ours(lookup, goodput, None, prompts, n_tokens)
         total = n_tokens * len(prompts)

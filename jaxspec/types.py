@@ -69,9 +69,9 @@ class RowParams:
 class Proposals:
     """What a proposer guesses for one step.
 
-    token_ids:   [B, K] proposed tokens (padding past `lens` is ignored).
-    lens:        [B] int32, number of real proposals per row (≤ K).
-    draft_probs: [B, K, V] q after the request's warping, or None for point-mass proposals
+    token_ids:   [B, k] proposed tokens (padding past `lens` is ignored).
+    lens:        [B] int32, number of real proposals per row (≤ k).
+    draft_probs: [B, k, V] q after the request's warping, or None for point-mass proposals
                  (prompt lookup): q(token_ids[b, i]) = 1.
     """
 
@@ -105,7 +105,7 @@ class DecodeState:
 class StepResult:
     """Host-side result of one speculative step for the B rows of the step.
 
-    tokens:   [B, K+1] new tokens per row (accepted proposals then the bonus/resampled token).
+    tokens:   [B, k+1] new tokens per row (accepted proposals then the bonus/resampled token).
     counts:   [B] how many of `tokens` are real (accepted + 1).
     proposed: [B] how many proposals each row verified.
     catch_up_calls / catch_up_s: lazy draft catch-up run before this step (calls, wall seconds);

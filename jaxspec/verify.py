@@ -20,7 +20,7 @@ ACCEPT_KEY, RESIDUAL_KEY = 1_000_001, 1_000_002
 
 
 def _accepted_prefix(ok: jax.Array) -> jax.Array:
-    """ok [B, K] -> length of the all-True prefix per row [B]."""
+    """ok [B, k] -> length of the all-True prefix per row [B]."""
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
 
 
@@ -28,9 +28,9 @@ def _rejection_sample(target_logits: jax.Array, proposals: Proposals, params: Ro
     """Rejection sampling for every row -> (n_accepted [B], next_token [B])."""
     b, k1, v = target_logits.shape
     k = k1 - 1
-    drafts = proposals.token_ids  # [B, K]
-    p = sampling.warp(target_logits, params)  # [B, K+1, V]
-    # p_draft: [B, K] = p_i(d_i) for the draft at position i (scored by logits i)
+    drafts = proposals.token_ids  # [B, k]
+    p = sampling.warp(target_logits, params)  # [B, k+1, V]
+    # p_draft: [B, k] = p_i(d_i) for the draft at position i (scored by logits i)
     p_draft = jnp.take_along_axis(p[:, :k, :], drafts[:, :, None], axis=-1)[..., 0]
     if proposals.draft_probs is None:
         q_draft = jnp.ones_like(p_draft)
@@ -59,16 +59,16 @@ def _rejection_sample(target_logits: jax.Array, proposals: Proposals, params: Ro
 def verify(target_logits: jax.Array, proposals: Proposals, params: RowParams) -> tuple[jax.Array, jax.Array]:
     """Decide what each row emits this step.
 
-    target_logits: [B, K+1, V] scores for positions after [pending, d_1 .. d_K].
-    Returns (tokens [B, K+1] int32, counts [B] int32): row b emits tokens[b, :counts[b]].
+    target_logits: [B, k+1, V] scores for positions after [pending, d_1 .. d_k].
+    Returns (tokens [B, k+1] int32, counts [B] int32): row b emits tokens[b, :counts[b]].
     The V-sized sampling work runs only when some row samples (lax.cond).
     """
     b, k1, _ = target_logits.shape
     k = k1 - 1
-    drafts = proposals.token_ids  # [B, K]
-    real = jnp.arange(k, dtype=jnp.int32)[None, :] < proposals.lens[:, None]  # [B, K]
+    drafts = proposals.token_ids  # [B, k]
+    real = jnp.arange(k, dtype=jnp.int32)[None, :] < proposals.lens[:, None]  # [B, k]
 
-    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
     greedy_accepted = _accepted_prefix((drafts == target_argmax[:, :k]) & real)  # [B]
     greedy_next = jnp.take_along_axis(target_argmax, greedy_accepted[:, None], axis=1)[:, 0]  # [B]
 
@@ -80,7 +80,7 @@ def verify(target_logits: jax.Array, proposals: Proposals, params: RowParams) ->
     n_accepted = jnp.where(greedy_row, greedy_accepted, sampled_accepted)
     next_token = jnp.where(greedy_row, greedy_next, sampled_next)
 
-    # tokens: [B, K+1] = accepted drafts, then next_token at index n_accepted, then -1
+    # tokens: [B, k+1] = accepted drafts, then next_token at index n_accepted, then -1
     slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     padded_drafts = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     tokens = jnp.where(slots < n_accepted[:, None], padded_drafts, -1)

@@ -49,13 +49,13 @@ def menu_for(spec: PolicySpec, menu: Menu) -> Menu:
     return menu.replace(k_menu=spec.k_values(menu.k_menu))
 
 
-def build_policy(spec: PolicySpec | str, max_len: int, engine: Engine | None = None, progress: bool = True) -> Policy:
+def build_policy(spec: PolicySpec | str, engine: Engine | None = None, progress: bool = True) -> Policy:
     """The policy named by `spec`; goodput policies load (or measure) the engine's cost profile."""
     from jaxspec.policy.registry import load_defaults, make_policy
 
     spec = spec if isinstance(spec, PolicySpec) else PolicySpec.parse(spec)
     if not spec.needs_cost_model:
-        return make_policy(spec, max_len=max_len)
+        return make_policy(spec)
     if engine is None:
         raise ValueError(f"policy {str(spec)!r} needs a warmed-up engine to profile")
     from jaxspec.policy.cost_model import CostModel, default_profile_dir, load_matching_profile
@@ -68,7 +68,7 @@ def build_policy(spec: PolicySpec | str, max_len: int, engine: Engine | None = N
         profile = profile_engine(engine, progress=progress)
         profile.save(default_profile_dir() / profile.key.filename())
     cost = CostModel.from_profile(profile, online=load_defaults().cost_online)
-    return make_policy(spec, cost_model=cost, max_len=max_len)
+    return make_policy(spec, cost_model=cost)
 
 
 InputCheck = Callable[[TokenizerLike, RequestLimits], None]
@@ -100,8 +100,8 @@ def build_runtime(engine_args: EngineArgs, progress: bool = True, before_warmup:
     menu = menu_for(spec, load_menu(engine_args.menu, **menu_overrides))
     early_policy = None
     if not spec.needs_cost_model:
-        early_policy = build_policy(spec, max_len=menu.max_len)  # bad specs fail before loading anything
+        early_policy = build_policy(spec)  # bad specs fail before loading anything
     engine, tokenizer, model_name = assemble_engine(engine_args, menu, before_warmup)
     engine.warmup(progress=progress)
-    policy = early_policy or build_policy(spec, max_len=menu.max_len, engine=engine, progress=progress)
+    policy = early_policy or build_policy(spec, engine=engine, progress=progress)
     return Runtime(engine, tokenizer, policy, model_name)

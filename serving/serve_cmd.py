@@ -34,9 +34,9 @@ def build_server(config: ServeConfig, progress: bool = True) -> GenerationServer
     policy: Policy | PolicyFactory
     if spec.needs_cost_model:
         def policy(warm: Engine) -> Policy:  # needs the warmed-up engine: loads or measures its cost profile
-            return build_policy(spec, warm.menu.max_len, engine=warm, progress=progress)
+            return build_policy(spec, engine=warm, progress=progress)
     else:
-        policy = build_policy(spec, menu.max_len)  # a bad spec fails before the model loads
+        policy = build_policy(spec)  # a bad spec fails before the model loads
     engine, tokenizer, model_name = assemble_engine(engine_args, menu)
     return GenerationServer(engine, tokenizer, policy, config, model_name=model_name, progress=progress)
 

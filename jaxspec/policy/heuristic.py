@@ -6,9 +6,10 @@ Per request i (transformers' `num_assistant_tokens_schedule="heuristic"`):
     k_i ← max(k_i − decrease, min_k)    if accepted_i < requested_i
     (unchanged when the row was allowed 0 proposals)
 
-A step runs at the padded K = the smallest menu value ≥ max_i min(k_i, cap_i) (the largest menu
-value if none is), with per-row caps row_k_i = min(k_i, cap_i, K). With `max_len`, K is also kept
-to max(context) + K + 1 ≤ max_len (the engine's capacity check). Defaults: jaxspec/configs/policy.yaml.
+A step runs at the padded k = the smallest menu value ≥ max_i min(k_i, cap_i) (the largest menu
+value if none is), with per-row caps row_k_i = min(k_i, cap_i, k). A row's cap (`row_max_k`)
+already holds its cache room, and the engine runs a step at each row's own cap
+(`Menu.step_shape`), so a long row limits only itself. Defaults: jaxspec/configs/policy.yaml.
 """
 
 from __future__ import annotations
@@ -38,10 +39,8 @@ class HeuristicConfig:
 class HeuristicPolicy(Policy):
     name = "heuristic"
 
-    def __init__(self, config: HeuristicConfig = HeuristicConfig(), max_len: int | None = None,
-                 log_size: int = 4096):
+    def __init__(self, config: HeuristicConfig = HeuristicConfig(), log_size: int = 4096):
         self.config = config
-        self.max_len = max_len
         self.k: dict[Hashable, int] = {}  # each request's current k_i
         self.log = DecisionLog(log_size)
 
@@ -50,9 +49,6 @@ class HeuristicPolicy(Policy):
 
     def choose(self, view: BatchView) -> Decision:
         menu = view.k_menu
-        if self.max_len is not None:
-            room = self.max_len - max(view.context_lens) - 1
-            menu = tuple(k for k in menu if k <= room) or menu[:1]
         want = [min(self.request_k(r), c) for r, c in zip(view.request_ids, view.row_max_k)]
         top = max(want, default=0)
         k = next((m for m in menu if m >= top), menu[-1])

@@ -11,7 +11,6 @@
 Dependencies (keyword arguments of `make_policy`):
     cost_model: CostModel           required by the goodput policies
     acceptance: AcceptanceTracker   optional; else a fresh one from the defaults
-    max_len: int                    optional cache length (heuristic keeps K within it)
     defaults: PolicyDefaults        optional; else `load_defaults()` (jaxspec/configs/policy.yaml)
 """
 
@@ -34,7 +33,7 @@ from jaxspec.policy.table import TablePolicy
 from jaxspec.resources import config_file
 
 DEFAULT_CONFIG = config_file("policy.yaml")
-_DEPS = frozenset({"cost_model", "acceptance", "max_len", "defaults"})
+_DEPS = frozenset({"cost_model", "acceptance", "defaults"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +83,7 @@ def make_policy(spec: str | PolicySpec, **deps) -> Policy:
     if spec.name == "table":
         return TablePolicy(dict(spec.table or defaults.table), log_size=defaults.goodput.log_size)
     if spec.name == "heuristic":
-        return HeuristicPolicy(defaults.heuristic, max_len=deps.get("max_len"), log_size=defaults.goodput.log_size)
+        return HeuristicPolicy(defaults.heuristic, log_size=defaults.goodput.log_size)
     cost = deps.get("cost_model")  # the goodput policies
     if not isinstance(cost, CostModel):
         raise ValueError(f"policy {spec.name!r} needs cost_model=CostModel (from a `jaxspec profile` "

@@ -93,7 +93,7 @@ class DraftModelProposer(Proposer):
             return (state, nxt), (nxt, q)
 
         (state, _), (rest, q_rest) = jax.lax.scan(step, (state, first), jnp.arange(1, k, dtype=jnp.int32))
-        # tokens: [B, K]; probs: [B, K, V]
+        # tokens: [B, k]; probs: [B, k, V]
         tokens = jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
         probs = jnp.concatenate([q_first[:, None, :], jnp.moveaxis(q_rest, 0, 1)], axis=1)
         lens = jnp.full(ctx.slot_ids.shape, k, jnp.int32)

@@ -53,7 +53,7 @@ class NoisyProposer(Proposer):
 
     def propose(self, params, state, ctx: StepContext, k: int, window: int):
         keys = jax.vmap(lambda key: jax.random.fold_in(key, _NOISE_KEY))(ctx.rows.keys)
-        # keep: [B, K] Bernoulli(alpha); shift: [B, K] in [1, V) so a replaced token always differs
+        # keep: [B, k] Bernoulli(alpha); shift: [B, k] in [1, V) so a replaced token always differs
         keep = jax.vmap(lambda key: jax.random.bernoulli(key, self.alpha, (k,)))(keys)
         shift = jax.vmap(lambda key: jax.random.randint(jax.random.fold_in(key, 1), (k,), 1, self.vocab_size))(keys)
 
@@ -64,7 +64,7 @@ class NoisyProposer(Proposer):
         if self.inner.tracks_context:  # the draft continues from the perturbed tokens (module doc)
             proposals, state = self.inner.propose(params, state, ctx, k, window, perturb=perturb)
             noisy = proposals.token_ids
-        else:  # no state to keep in sync: perturb the finished proposals, [B, K]
+        else:  # no state to keep in sync: perturb the finished proposals, [B, k]
             proposals, state = self.inner.propose(params, state, ctx, k, window)
             noisy = jnp.where(keep, proposals.token_ids, (proposals.token_ids + shift) % self.vocab_size)
         return Proposals(token_ids=noisy.astype(jnp.int32), lens=proposals.lens, draft_probs=None), state

@@ -1,5 +1,5 @@
 """Prompt lookup (n-gram) proposer: copy what followed the latest earlier occurrence of the
-context's last n tokens. Batched on device; proposals are point masses (no [B, K, V] one-hots).
+context's last n tokens. Batched on device; proposals are point masses (no [B, k, V] one-hots).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class PromptLookupProposer(Proposer):
             latest = jnp.max(jnp.where(valid, j, -1), axis=1)  # [B] most recent window start
             found = (latest >= 0) & (best_pos < 0)
             best_pos = jnp.where(found, latest + n, best_pos)
-        # proposals: [B, K] = hist[b, best_pos + i]
+        # proposals: [B, k] = hist[b, best_pos + i]
         idx = jnp.clip(best_pos[:, None] + jnp.arange(k)[None, :], 0, m - 1)
         tokens = jnp.take_along_axis(hist, idx, axis=1)
         lens = jnp.where(best_pos >= 0, jnp.minimum(k, cur - best_pos), 0).astype(jnp.int32)

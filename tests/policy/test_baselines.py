@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec.policy.base import Decision
+from jaxspec.policy.base import BatchView, Decision
 from jaxspec.policy.fixed import FixedPolicy, NoSpeculation
 from jaxspec.policy.goodput import GoodputPerRequestPolicy, GoodputPolicy
 from jaxspec.policy.heuristic import HeuristicConfig, HeuristicPolicy
@@ -87,10 +87,13 @@ def test_heuristic_step_k_is_a_menu_value_and_rows_respect_caps():
     assert d.k == 4 and d.row_k == (3, 1)
     d = p.choose(view(1, caps=(0,)))
     assert d.k == 0
-    # a row with no room for k: the padded step must still fit the cache
-    p = HeuristicPolicy(HeuristicConfig(initial_k=4), max_len=128)
-    d = p.choose(view(2, ctx=125, caps=(8, 2)))
-    assert d.k == 2
+    # a long row's cache room is its cap (row_max_k): it verifies less, the other row keeps its k
+    # (the engine runs the step at each row's own cap, so one long row takes large k from nobody)
+    p = HeuristicPolicy(HeuristicConfig(initial_k=4))
+    long_and_short = BatchView(request_ids=("long", "short"), context_lens=(125, 10), row_max_k=(2, 8),
+                               k_menu=(0, 1, 2, 4, 8), batch_bucket=2)
+    d = p.choose(long_and_short)
+    assert d.k == 4 and d.row_k == (2, 4)
 
 
 def test_heuristic_zero_allowed_rows_are_unchanged():
@@ -112,11 +115,11 @@ def test_registry_builds_every_spec():
     table = make_policy("table")
     assert isinstance(table, TablePolicy) and table.table == dict(load_defaults().table)
     assert make_policy("table:1=4,4=2,8=1").table == {1: 4, 4: 2, 8: 1}
-    assert isinstance(make_policy("heuristic", max_len=128), HeuristicPolicy)
+    assert isinstance(make_policy("heuristic"), HeuristicPolicy)
     assert type(make_policy("goodput", cost_model=cm)) is GoodputPolicy
     assert type(make_policy("goodput-per-request", cost_model=cm)) is GoodputPerRequestPolicy
     # deps a policy does not use are fine (the scheduler passes the same ones to every spec)
-    assert isinstance(make_policy("fixed:2", cost_model=cm, max_len=64), FixedPolicy)
+    assert isinstance(make_policy("fixed:2", cost_model=cm), FixedPolicy)
 
 
 def test_registry_errors_are_clear():
