@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxspec.engine_args import EngineArgs
 
     # a sweep takes several proposers and policies (--proposers, --policies): only these engine flags are single
-    EngineArgs.add_arguments(parser, only=("model", "draft"), defaults={"draft": "default"})
+    EngineArgs.add_arguments(parser, only=("model", "draft", "dtype"), defaults={"draft": "default"})
     parser.add_argument("--proposers", type=_strs, default=None,
                         help="comma-separated of ngram,draft (default: both; --quick runs draft on chat only)")
     parser.add_argument("--workload", "--workloads", dest="workloads", default="all",
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
         from benchmarks.peers import assemble_real_pair
         pair = assemble_real_pair(install=True)
         model_spec, draft_spec = str(pair["target"]), str(pair["draft"])
-    built = build_model(model_spec, seed=s.seed)
+    built = build_model(model_spec, seed=s.seed, dtype=args.dtype)
     proposers = {}
     for name in s.proposers:
         proposers[name] = build_proposer(name, built.model, draft_spec)
@@ -365,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
     records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if "draft" in proposers else "")
     result = {
         "meta": {"command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "model": built.name,
+                 "dtype": built.model.config.dtype,
                  "draft": draft_spec if "draft" in s.proposers else None, "settings": dataclasses.asdict(s),
                  "wall_s": time.time() - started},
         "records": records, "checks": check_goals(records),

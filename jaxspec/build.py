@@ -6,9 +6,11 @@ import dataclasses
 import os
 from pathlib import Path
 
+import jax
 import yaml
 
 from jaxspec.config_file import check_fields
+from jaxspec.dtypes import resolve_dtype
 from jaxspec.engine import Engine
 from jaxspec.menu import Menu
 from jaxspec.proposers.base import Proposer
@@ -33,13 +35,19 @@ class BuiltModel:
     name: str
 
 
-def build_model(spec: str | None, seed: int = 0) -> BuiltModel:
-    """Load a model spec (weights) or build a preset with random weights (tests, GPU benches)."""
+def build_model(spec: str | None, seed: int = 0, dtype: str = "float32") -> BuiltModel:
+    """Load a model spec (weights) or build a preset with random weights (tests, GPU benches).
+
+    `dtype` ('auto', 'float32', 'bfloat16') is that of the weights and KV cache, resolved against
+    jax.default_backend() here (jaxspec.dtypes.resolve_dtype); engine commands pass --dtype (default auto).
+    """
+    dtype = resolve_dtype(dtype, jax.default_backend())  # a bad name fails before anything loads
     source = resolve_model(spec)
     if source.preset is not None:
-        return BuiltModel(random_model(source.preset, seed), None, source.name)
+        return BuiltModel(random_model(source.preset.replace(dtype=dtype), seed), None, source.name)
     loaded = load_model(spec, cache_dir=model_cache_dir())
-    return BuiltModel(from_hf_state_dict(loaded.config, loaded.state_dict), loaded.tokenizer, source.name)
+    model = from_hf_state_dict(loaded.config.replace(dtype=dtype), loaded.state_dict)  # casts to config.dtype
+    return BuiltModel(model, loaded.tokenizer, source.name)
 
 
 def truncated_copy(target: Llama, num_layers: int) -> Llama:
@@ -52,7 +60,7 @@ def truncated_copy(target: Llama, num_layers: int) -> Llama:
 
 def build_draft(spec: str, target: Llama) -> Llama:
     """Draft specs: 'self' (the target), 'truncated:N' (its first N layers), 'default' (the
-    shipped distilled draft), or any model spec."""
+    shipped distilled draft), or any model spec; every draft takes the target's dtype."""
     if spec == "self":
         return target
     if spec.startswith("truncated:"):
@@ -60,7 +68,7 @@ def build_draft(spec: str, target: Llama) -> Llama:
     if spec == "default":
         from jaxspec.distill import load_shipped_draft  # imported lazily: optional artefact
         return load_shipped_draft(target.config, target)
-    return build_model(spec).model
+    return build_model(spec, dtype=target.config.dtype).model
 
 
 def build_proposer(kind: str, target: Llama, draft: str | None = None,
@@ -94,8 +102,8 @@ def load_menu(name_or_path: str | None = None, **overrides) -> Menu:
 
 
 def build_engine(model: str | None = None, proposer: str = "none", draft: str | None = None,
-                 menu: Menu | None = None) -> tuple[Engine, TextTokenizer | None]:
-    built = build_model(model)
+                 menu: Menu | None = None, dtype: str = "float32") -> tuple[Engine, TextTokenizer | None]:
+    built = build_model(model, dtype=dtype)
     prop = build_proposer(proposer, built.model, draft)
     return Engine(built.model, prop, menu or load_menu()), built.tokenizer
 

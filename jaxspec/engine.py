@@ -105,6 +105,7 @@ class Engine:
             menu = menu.replace(k_menu=(0,))
         self.menu = menu
         self.model_name = target.config.name
+        self.dtype = target.config.dtype  # weights and KV cache (jaxspec.dtypes); names the cost profile
         self.vocab_size = target.config.vocab_size
         self.eos_token_ids = tuple(target.config.eos_token_ids)
         draft_config = getattr(self.proposer, "config", None)  # a draft model's

@@ -35,6 +35,7 @@ class EngineAPI(Protocol):
     vocab_size:     token ids are in [0, vocab_size).
     eos_token_ids:  the model's end-of-sequence ids.
     proposer_name:  "none", "ngram", "draft:<draft model>", ...; names the cost profile.
+    dtype:          the weights' and KV cache's dtype ('float32', 'bfloat16'); names the cost profile.
     """
 
     menu: Menu
@@ -42,6 +43,7 @@ class EngineAPI(Protocol):
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     proposer_name: str
+    dtype: str
 
     def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True) -> int:
         """Make every shape of the menu (or `keys`) ready; returns how many were built."""

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jaxspec.build import PROPOSERS
+from jaxspec.dtypes import DTYPES
 from jaxspec.policy.spec import HELP as POLICY_HELP
 from jaxspec.policy.spec import PolicySpec
 
@@ -38,7 +39,7 @@ def _flag(default: Any, help_text: str, *, shown: str | None = None, **argparse_
 
 @dataclasses.dataclass(frozen=True)
 class EngineArgs:
-    """Which engine to build: target model, proposer, policy, shape menu and tokenizer."""
+    """Which engine to build: target model, proposer, policy, shape menu, tokenizer and dtype."""
 
     model: str | None = _flag(None, "target model: a name from `jaxspec models`, a .gguf file, or a directory",
                               shown="the embedded SmolLM2-135M-Instruct")
@@ -52,12 +53,18 @@ class EngineArgs:
                       shown="default")
     tokenizer: str = _flag("model", "'model' (the model's own), or a toy tokenizer for random-weight presets such as "
                            "--model tiny: 'ascii' (64 ids) or 'bytes' (259 ids)", choices=TOKENIZERS)
+    # no argparse choices: a bad value is one line and exit 2 (ValueError in __post_init__), not a usage dump
+    dtype: str = _flag("auto", "dtype of weights and KV cache: 'auto' (float32 on CPU, bfloat16 on GPU/TPU), "
+                       "'float32' or 'bfloat16'; softmax, norms, logits, sampling and verify stay float32",
+                       metavar="|".join(DTYPES))
 
     def __post_init__(self):
         if self.proposer not in PROPOSERS:
             raise ValueError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"unknown tokenizer {self.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         low, high = self.ngram
         if not 1 <= low <= high:
             raise ValueError(f"ngram needs 1 <= MIN <= MAX, got {self.ngram}")

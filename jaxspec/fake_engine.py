@@ -41,12 +41,13 @@ class FakeEngine:
 
     def __init__(self, menu: Menu, *, vocab_size: int = 64, eos_token_ids: Sequence[int] = (),
                  accept: int | Callable[[int], int] = 0, model_name: str = "fake", proposer_name: str = "fake",
-                 tracks_context: bool = False, in_step_catch_up: int = 2):
+                 dtype: str = "float32", tracks_context: bool = False, in_step_catch_up: int = 2):
         self.menu = menu
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.proposer_name = proposer_name
+        self.dtype = dtype
         self.accept = accept
         self.tracks_context = tracks_context
         self.in_step_catch_up = in_step_catch_up

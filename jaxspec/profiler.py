@@ -55,7 +55,8 @@ def profile_key(engine, kind: str | None = None) -> ProfileKey:
     """The key a profile of this engine is saved and looked up under."""
     c = engine.menu
     return ProfileKey(device_kind=kind or device_kind(), model=engine.model_name, draft=engine.proposer_name,
-                      batch_buckets=c.batch_buckets, k_menu=c.k_menu, window_buckets=c.window_buckets)
+                      batch_buckets=c.batch_buckets, k_menu=c.k_menu, window_buckets=c.window_buckets,
+                      dtype=engine.dtype)
 
 
 def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int = 5, progress: bool = True, *,
@@ -164,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxspec.engine_args import EngineArgs  # the engine flags every command shares
 
     # a profile is only valid for the proposer (and menu) it was measured with
-    EngineArgs.add_arguments(parser, only=("model", "proposer", "draft", "menu"), default_menu=None,
+    EngineArgs.add_arguments(parser, only=("model", "proposer", "draft", "menu", "dtype"), default_menu=None,
                              defaults={"proposer": "ngram"})
     parser.add_argument("--batch-buckets", type=_ints, default=None, help="override the menu, e.g. 1,4,8")
     parser.add_argument("--k-menu", type=_ints, default=None, help="override the menu, e.g. 0,1,2,4")
@@ -185,7 +186,8 @@ def build_from_args(args: argparse.Namespace):
 
     config = load_menu(args.menu, batch_buckets=args.batch_buckets, k_menu=args.k_menu,
                                 window_buckets=args.window_buckets)
-    engine, _tokenizer = build_engine(model=args.model, proposer=args.proposer, draft=args.draft, menu=config)
+    engine, _tokenizer = build_engine(model=args.model, proposer=args.proposer, draft=args.draft, menu=config,
+                                      dtype=args.dtype)
     return engine
 
 

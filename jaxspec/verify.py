@@ -56,13 +56,23 @@ def _rejection_sample(target_logits: jax.Array, proposals: Proposals, params: Ro
     return n_accepted, sampling.sample(p_next, sampling.subkeys(params.keys, RESIDUAL_KEY))
 
 
+def check_float32(target_logits: jax.Array, proposals: Proposals) -> None:
+    """Raise TypeError unless the target logits (and the draft's q, if any) are float32: the accept
+    test and the residual are computed in float32 under every weight dtype."""
+    for name, value in (("target logits", target_logits), ("draft probabilities", proposals.draft_probs)):
+        if value is not None and value.dtype != jnp.float32:
+            raise TypeError(f"verify needs float32 {name}, got {value.dtype} (the model must unembed in float32)")
+
+
 def verify(target_logits: jax.Array, proposals: Proposals, params: RowParams) -> tuple[jax.Array, jax.Array]:
     """Decide what each row emits this step.
 
     target_logits: [B, k+1, V] scores for positions after [pending, d_1 .. d_k].
     Returns (tokens [B, k+1] int32, counts [B] int32): row b emits tokens[b, :counts[b]].
-    The V-sized sampling work runs only when some row samples (lax.cond).
+    The V-sized sampling work runs only when some row samples (lax.cond). Logits and draft
+    probabilities must be float32 whatever the model's dtype (docs/design.md, "Dtypes"): TypeError else.
     """
+    check_float32(target_logits, proposals)
     b, k1, _ = target_logits.shape
     k = k1 - 1
     drafts = proposals.token_ids  # [B, k]

@@ -78,7 +78,7 @@ def assemble_engine(engine_args: EngineArgs, menu: Menu,
                     before_proposer: InputCheck | None = None) -> tuple[Engine, TokenizerLike, str]:
     """(engine, tokenizer, model name) for `engine_args` on `menu`; nothing compiled yet.
     `before_proposer(tokenizer, limits)` runs once the target is loaded, before the draft is."""
-    built = build_model(engine_args.model)
+    built = build_model(engine_args.model, dtype=engine_args.dtype)
     tokenizer = resolve_tokenizer(engine_args.tokenizer, built.tokenizer, built.name)
     if before_proposer is not None:
         before_proposer(tokenizer, RequestLimits(max_len=menu.max_len, vocab_size=built.model.config.vocab_size,

@@ -17,7 +17,8 @@ from serving.service import GenerationServer, PolicyFactory
 
 log = logging.getLogger(__name__)
 
-ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer")  # the EngineArgs fields ServeConfig has
+# the EngineArgs fields ServeConfig has
+ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer", "dtype")
 
 
 def build_server(config: ServeConfig, progress: bool = True) -> GenerationServer:

@@ -72,7 +72,8 @@ class CostModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ProfileKey:
-    """What a profile is valid for: device kind, model, draft (or proposer) and the menu."""
+    """What a profile is valid for: device kind, model, draft (or proposer), the menu and the dtype of
+    weights and KV cache (a bfloat16 step costs differently from a float32 one)."""
 
     device_kind: str
     model: str
@@ -80,17 +81,18 @@ class ProfileKey:
     batch_buckets: tuple[int, ...]
     k_menu: tuple[int, ...]
     window_buckets: tuple[int, ...]
+    dtype: str = "float32"  # profiles written before this field were all float32
 
     def __post_init__(self):
         for name in ("batch_buckets", "k_menu", "window_buckets"):
             object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
 
     def filename(self) -> str:
-        """`<device>__<model>__<draft>__<menu hash>.json`, filesystem-safe."""
+        """`<device>__<model>__<dtype>__<draft>__<menu hash>.json`, filesystem-safe."""
         menu = json.dumps([self.batch_buckets, self.k_menu, self.window_buckets])
         digest = hashlib.sha256(menu.encode()).hexdigest()[:10]
         safe = lambda s: re.sub(r"[^A-Za-z0-9._-]+", "-", s).strip("-") or "none"  # noqa: E731
-        return f"{safe(self.device_kind)}__{safe(self.model)}__{safe(self.draft)}__{digest}.json"
+        return f"{safe(self.device_kind)}__{safe(self.model)}__{safe(self.dtype)}__{safe(self.draft)}__{digest}.json"
 
 
 @dataclasses.dataclass(frozen=True)
