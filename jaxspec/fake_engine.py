@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxspec.menu import CapacityError, CatchUpCall, Menu, MenuMissError, ShapeKey
+from jaxspec.menu import CapacityError, CatchUpCall, Menu, MenuMissError, ShapeKey, StepKey
 from jaxspec.types import SamplingParams, StepResult
 
 
@@ -87,7 +87,7 @@ class FakeEngine:
     def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> StepResult:
         slots = [int(s) for s in slot_ids]
         shape = self.menu.step_shape([self._lengths[s] for s in slots], row_k, k)
-        key = self._ready(self.menu.step_key([self._lengths[s] for s in slots], row_k, k))
+        key = self._ready(StepKey(self.menu.batch_bucket(len(slots)), shape.k, shape.window))
         catch_up = 0
         if key.k > 0 and self.tracks_context:
             for slot in slots:

@@ -220,10 +220,6 @@ class Menu:
             raise CapacityError(f"a slot needs {shape.needed} cache positions > max_len {self.max_len}")
         return shape
 
-    def step_key(self, context_lens: Sequence[int], row_caps: Sequence[int] | None, k: int) -> StepKey:
-        shape = self.step_shape(context_lens, row_caps, k)
-        return StepKey(self.batch_bucket(len(context_lens)), shape.k, shape.window)
-
     # --- draft catch-up -----------------------------------------------------------------
 
     def catch_up_plan(self, seen: int, length: int, in_step: int) -> list[CatchUpCall]:

@@ -57,14 +57,15 @@ class NoisyProposer(Proposer):
         keep = jax.vmap(lambda key: jax.random.bernoulli(key, self.alpha, (k,)))(keys)
         shift = jax.vmap(lambda key: jax.random.randint(jax.random.fold_in(key, 1), (k,), 1, self.vocab_size))(keys)
 
-        def perturb(token, i):
-            # token: [B], the i-th proposal of every row
-            return jnp.where(keep[:, i], token, (token + shift[:, i]) % self.vocab_size).astype(jnp.int32)
+        def replace(tokens, kept, shifted):
+            # tokens, kept, shifted: the same shape ([B] or [B, k]); a replaced token always differs
+            return jnp.where(kept, tokens, (tokens + shifted) % self.vocab_size).astype(jnp.int32)
 
         if self.inner.tracks_context:  # the draft continues from the perturbed tokens (module doc)
+            perturb = lambda token, i: replace(token, keep[:, i], shift[:, i])  # noqa: E731 - token: [B]
             proposals, state = self.inner.propose(params, state, ctx, k, window, perturb=perturb)
             noisy = proposals.token_ids
         else:  # no state to keep in sync: perturb the finished proposals, [B, k]
             proposals, state = self.inner.propose(params, state, ctx, k, window)
-            noisy = jnp.where(keep, proposals.token_ids, (proposals.token_ids + shift) % self.vocab_size)
-        return Proposals(token_ids=noisy.astype(jnp.int32), lens=proposals.lens, draft_probs=None), state
+            noisy = replace(proposals.token_ids, keep, shift)
+        return Proposals(token_ids=noisy, lens=proposals.lens, draft_probs=None), state
