@@ -25,21 +25,21 @@ N_NEW = 60
 
 
 def _decode(engine: Engine, prompts, choose):
-    """Greedy-decode every prompt in one batch; `choose(view) -> (k, row_k, after(result, seconds))`."""
-    slots = list(range(len(prompts)))
-    outs = [[engine.prefill(s, p, SamplingParams())] for s, p in zip(slots, prompts)]
+    """Greedy-decode every prompt in one batch; `choose(view) -> (k, row_k, after(result, seconds))`.
+    As in the scheduler, a row that has its N_NEW tokens leaves the batch (else it would run out of cache
+    while a slower row catches up)."""
+    outs = [[engine.prefill(s, p, SamplingParams())] for s, p in enumerate(prompts)]
     steps = 0
-    while min(len(o) for o in outs) < N_NEW:
-        lens = tuple(int(n) for n in engine.lengths[slots])
-        view = BatchView(request_ids=tuple(slots), context_lens=lens,
-                         row_max_k=tuple(max(0, min(MENU.max_k, MENU.max_len - 1 - n)) for n in lens),
+    while live := [s for s, o in enumerate(outs) if len(o) < N_NEW]:
+        view = BatchView(request_ids=tuple(live), context_lens=tuple(engine.length(s) for s in live),
+                         row_max_k=tuple(min(MENU.max_k, engine.room(s)) for s in live),
                          k_menu=MENU.k_menu, batch_bucket=2)
         k, row_k, after = choose(view)
         t0 = time.perf_counter()
-        result = engine.step(slots, k, None if row_k is None else list(row_k))
+        result = engine.step(live, k, None if row_k is None else list(row_k))
         after(view, result, time.perf_counter() - t0)
-        for row, out in enumerate(outs):
-            out += result.row_tokens(row)
+        for row, slot in enumerate(live):
+            outs[slot] += result.row_tokens(row)
         steps += 1
     return [o[:N_NEW] for o in outs], steps
 
