@@ -11,7 +11,7 @@ from jaxspec.engine import Engine
 from jaxspec.menu import Menu
 from jaxspec.policy.acceptance import AcceptanceTracker
 from jaxspec.policy.base import BatchView
-from jaxspec.policy.cost_model import CostModel, OnlineCostConfig
+from jaxspec.policy.cost_model import CostModel
 from jaxspec.policy.goodput import GoodputPerRequestPolicy, GoodputPolicy
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
@@ -44,11 +44,20 @@ def _decode(engine: Engine, prompts, choose):
     return [o[:N_NEW] for o in outs], steps
 
 
-def _policy_driver(policy, decisions):
+def _policy_driver(policy, decisions, priced=None):
+    """Drive `policy`; with `priced` (a CostModel) each step is observed at that model's own price of
+    the shape that ran, so its online correction stays at zero and the choices do not depend on this
+    machine's timings."""
     def choose(view):
         d = policy.choose(view)
         decisions.append(d)
-        return d.k, d.row_k, lambda v, r, s: policy.observe(v, d, r, s)
+
+        def after(v, r, seconds):
+            if priced is not None:
+                shape = priced.shape(v.context_lens, d.row_k, d.k, v.k_menu)
+                seconds = priced.step_time(v.batch_bucket, shape.k, shape.window, shape.real_tokens)
+            policy.observe(v, d, r, seconds)
+        return d.k, d.row_k, after
     return choose
 
 
@@ -66,10 +75,10 @@ def test_goodput_policies_keep_greedy_output_and_compile_nothing(tiny_model):
     reference, _ = _decode(engine, prompts, plain)
 
     profile = profiler.profile_engine(engine, repeats=2, progress=False)
-    # synthetic prices (no online correction: this CPU is not the synthetic device) make the choices
-    # deterministic and speculative, so the equality check sees k > 0 and per-row k
+    # synthetic prices, observed at their own price (this CPU is not the synthetic device), make the
+    # choices deterministic and speculative, so the equality check sees k > 0 and per-row k
     synthetic = synthetic_cost_model(linear_cost(), MENU.batch_buckets, MENU.k_menu, MENU.window_buckets,
-                                     real_token_s=0.5e-3, online=OnlineCostConfig(ema_weight=0.0))
+                                     real_token_s=0.5e-3)
     runs = {
         "goodput/profiled": GoodputPolicy(CostModel.from_profile(profile), AcceptanceTracker()),
         "goodput/synthetic": GoodputPolicy(synthetic, AcceptanceTracker()),
@@ -77,7 +86,8 @@ def test_goodput_policies_keep_greedy_output_and_compile_nothing(tiny_model):
     }
     for name, policy in runs.items():
         decisions = []
-        outputs, steps = _decode(engine, prompts, _policy_driver(policy, decisions))
+        priced = synthetic if name.endswith("synthetic") else None
+        outputs, steps = _decode(engine, prompts, _policy_driver(policy, decisions, priced))
         assert outputs == reference, name
         assert len(policy.log) == steps and all(d.k in MENU.k_menu for d in decisions)
         if name.endswith("synthetic"):
