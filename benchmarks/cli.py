@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxspec.engine_args import EngineArgs
 
     # a sweep takes several proposers and policies (--proposers, --policies): only these engine flags are single
-    EngineArgs.add_arguments(parser, only=("model", "draft", "dtype"), defaults={"draft": "default"})
+    EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh"), defaults={"draft": "default"})
     parser.add_argument("--proposers", type=_strs, default=None,
                         help="comma-separated of ngram,draft (default: both; --quick runs draft on chat only)")
     parser.add_argument("--workload", "--workloads", dest="workloads", default="all",
@@ -179,8 +179,9 @@ def service_rate(engine, tokenizer, workload, s: Settings) -> float:
 
 def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str = "",
           log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
-          on_record: Callable[[list[dict]], None] | None = None) -> list[dict]:
-    """Run every cell. proposers: name -> Proposer (built over `target`). Returns records;
+          on_record: Callable[[list[dict]], None] | None = None, mesh=None) -> list[dict]:
+    """Run every cell. proposers: name -> Proposer (built over `target`); `mesh`: a jaxspec.mesh.MeshSpec
+    (None: one device). Returns records;
     `on_record(records so far)` after each measured point (partial results survive a timeout)."""
     from tqdm import tqdm
 
@@ -188,18 +189,20 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
     from benchmarks.workloads import load_workload
     from jaxspec import compile_counter
     from jaxspec.engine import Engine
+    from jaxspec.mesh import MeshSpec
     from jaxspec.policy.spec import PolicySpec
 
+    mesh = mesh or MeshSpec()
     workloads = {w: load_workload(w, tokenizer, max(s.requests, 2 * max(s.closed_loop or (1,))),
                                   seed=s.seed, max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens,
                                   vocab_size=target.config.vocab_size) for w in s.workloads}
     menu = bench_menu(s)
     t0 = time.perf_counter()
-    plain = Engine(target, None, menu.replace(k_menu=(0,)))
+    plain = Engine(target, None, menu.replace(k_menu=(0,)), mesh=mesh)
     plain.warmup(progress=s.progress)
     engines = {}
     for name, prop in proposers.items():
-        engines[name] = Engine(target, prop, menu)
+        engines[name] = Engine(target, prop, menu, mesh=mesh)
         engines[name].warmup(progress=s.progress)
         if any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
             make_bench_policy("goodput", engines[name])  # profile now (cached on disk)
@@ -348,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxspec import compile_counter
     from jaxspec.build import build_model, build_proposer
     from jaxspec.engine import enable_compilation_cache
+    from jaxspec.mesh import MeshSpec
 
     s = settings_from_args(args)
     enable_compilation_cache()
@@ -357,15 +361,17 @@ def run(args: argparse.Namespace) -> int:
         from benchmarks.peers import assemble_real_pair
         pair = assemble_real_pair(install=True)
         model_spec, draft_spec = str(pair["target"]), str(pair["draft"])
-    built = build_model(model_spec, seed=s.seed, dtype=args.dtype)
+    mesh = MeshSpec.parse(args.mesh) if args.mesh else MeshSpec()
+    built = build_model(model_spec, seed=s.seed, dtype=args.dtype, mesh=mesh)
     proposers = {}
     for name in s.proposers:
-        proposers[name] = build_proposer(name, built.model, draft_spec)
+        proposers[name] = build_proposer(name, built.model, draft_spec, mesh=mesh)
     started = time.time()
-    records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if "draft" in proposers else "")
+    records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if "draft" in proposers else "",
+                    mesh=mesh)
     result = {
         "meta": {"command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "model": built.name,
-                 "dtype": built.model.config.dtype,
+                 "dtype": built.model.config.dtype, "mesh": str(mesh),
                  "draft": draft_spec if "draft" in s.proposers else None, "settings": dataclasses.asdict(s),
                  "wall_s": time.time() - started},
         "records": records, "checks": check_goals(records),

@@ -13,6 +13,7 @@ from jaxspec.config_file import check_fields
 from jaxspec.dtypes import resolve_dtype
 from jaxspec.engine import Engine
 from jaxspec.menu import Menu
+from jaxspec.mesh import MeshSpec
 from jaxspec.proposers.base import Proposer
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
@@ -35,11 +36,13 @@ class BuiltModel:
     name: str
 
 
-def build_model(spec: str | None, seed: int = 0, dtype: str = "float32") -> BuiltModel:
+def build_model(spec: str | None, seed: int = 0, dtype: str = "float32", mesh: MeshSpec = MeshSpec(),
+                tensor_parallel: bool = True) -> BuiltModel:
     """Load a model spec (weights) or build a preset with random weights (tests, GPU benches).
 
     `dtype` ('auto', 'float32', 'bfloat16') is that of the weights and KV cache, resolved against
     jax.default_backend() here (jaxspec.dtypes.resolve_dtype); engine commands pass --dtype (default auto).
+    `mesh` / `tensor_parallel`: where loaded weights are placed (split over `model`, or replicated for a draft).
     """
     dtype = resolve_dtype(dtype, jax.default_backend())  # a bad name fails before anything loads
     source = resolve_model(spec)
@@ -58,7 +61,7 @@ def truncated_copy(target: Llama, num_layers: int) -> Llama:
     return from_hf_state_dict(config, to_hf_state_dict(target))
 
 
-def build_draft(spec: str, target: Llama) -> Llama:
+def build_draft(spec: str, target: Llama, mesh: MeshSpec = MeshSpec()) -> Llama:
     """Draft specs: 'self' (the target), 'truncated:N' (its first N layers), 'default' (the
     shipped distilled draft), or any model spec; every draft takes the target's dtype."""
     if spec == "self":
@@ -68,22 +71,22 @@ def build_draft(spec: str, target: Llama) -> Llama:
     if spec == "default":
         from jaxspec.distill import load_shipped_draft  # imported lazily: optional artefact
         return load_shipped_draft(target.config, target)
-    return build_model(spec, dtype=target.config.dtype).model
+    return build_model(spec, dtype=target.config.dtype, mesh=mesh, tensor_parallel=False).model
 
 
 def build_proposer(kind: str, target: Llama, draft: str | None = None,
-                   ngram: tuple[int, int] = (1, 3)) -> Proposer | None:
+                   ngram: tuple[int, int] = (1, 3), mesh: MeshSpec = MeshSpec()) -> Proposer | None:
     if kind == "none":
         return None
     if kind == "ngram":
         return PromptLookupProposer(min_ngram=ngram[0], max_ngram=ngram[1])
     if kind == "draft":
-        return DraftModelProposer(build_draft(draft or "default", target))
+        return DraftModelProposer(build_draft(draft or "default", target, mesh))
     raise ValueError(f"unknown proposer {kind!r}; choose one of {', '.join(PROPOSERS)}")
 
 
-def load_menu(name_or_path: str | None = None, **overrides) -> Menu:
-    """A named menu of jaxspec/configs/engine.yaml, or a YAML file with the same keys, with overrides."""
+def _engine_config(name_or_path: str | None) -> tuple[str, dict]:
+    """The values of a named entry of jaxspec/configs/engine.yaml, or of a YAML file with the same keys."""
     name_or_path = name_or_path or "default"
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml"):
@@ -95,6 +98,20 @@ def load_menu(name_or_path: str | None = None, **overrides) -> Menu:
         if name_or_path not in menus:
             raise KeyError(f"unknown engine menu {name_or_path!r}; known: {', '.join(menus)}")
         values = menus[name_or_path]
+    return name_or_path, dict(values)
+
+
+def load_mesh(name_or_path: str | None = None) -> MeshSpec:
+    """The `mesh: {data: D, model: M}` of an engine config (data=1,model=1 when it has none)."""
+    name, values = _engine_config(name_or_path)
+    mesh = values.get("mesh")
+    return MeshSpec() if mesh is None else MeshSpec.from_mapping(mesh, f"engine config {name}")
+
+
+def load_menu(name_or_path: str | None = None, **overrides) -> Menu:
+    """A named menu of jaxspec/configs/engine.yaml, or a YAML file with the same keys, with overrides."""
+    name_or_path, values = _engine_config(name_or_path)
+    values.pop("mesh", None)  # load_mesh
     values = check_fields(Menu, values, f"engine config {name_or_path}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -102,11 +119,12 @@ def load_menu(name_or_path: str | None = None, **overrides) -> Menu:
 
 
 def build_engine(model: str | None = None, proposer: str = "none", draft: str | None = None,
-                 menu: Menu | None = None, dtype: str = "float32") -> tuple[Engine, TextTokenizer | None]:
-    built = build_model(model, dtype=dtype)
-    prop = build_proposer(proposer, built.model, draft)
-    return Engine(built.model, prop, menu or load_menu()), built.tokenizer
+                 menu: Menu | None = None, dtype: str = "float32",
+                 mesh: MeshSpec = MeshSpec()) -> tuple[Engine, TextTokenizer | None]:
+    built = build_model(model, dtype=dtype, mesh=mesh)
+    prop = build_proposer(proposer, built.model, draft, mesh=mesh)
+    return Engine(built.model, prop, menu or load_menu(), mesh=mesh), built.tokenizer
 
 
-__all__ = ["build_engine", "build_model", "build_proposer", "build_draft", "load_menu",
+__all__ = ["build_engine", "build_model", "build_proposer", "build_draft", "load_menu", "load_mesh",
            "truncated_copy", "ModelLoadError", "PROPOSERS"]

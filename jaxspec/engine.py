@@ -34,11 +34,13 @@ from tqdm import tqdm
 from jaxspec import sampling
 from jaxspec.engine_api import prefill_prompt
 from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, MenuMissError, PrefillKey, ShapeKey, StepKey
+from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.proposers.base import NoProposer, Proposer, StepContext, empty_proposals
 from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, StepResult
 from jaxspec.verify import RESIDUAL_KEY, verify
 from models.kv_cache import init_cache
 from models.llama import Llama, chain_inputs, serving_split
+from models.sharding import Placement, cache_spec, padded_slots, plan_layout
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -97,7 +99,8 @@ class CatchUpTotals:
 class Engine:
     """Owns the device state and the compiled menu for one target (+ proposer); an `EngineAPI`."""
 
-    def __init__(self, target: Llama, proposer: Proposer | None = None, menu: Menu = Menu()):
+    def __init__(self, target: Llama, proposer: Proposer | None = None, menu: Menu = Menu(),
+                 mesh: MeshSpec = MeshSpec()):
         self.model_config = target.config
         self.proposer = proposer or NoProposer()
         if isinstance(self.proposer, NoProposer) and menu.k_menu != (0,):
@@ -115,29 +118,52 @@ class Engine:
             raise ValueError(
                 f"draft vocabulary ({draft_config.vocab_size}) differs from the target's "
                 f"({target.config.vocab_size}): target and draft must share a tokenizer")
+        # the mesh (docs/design.md, "Sharding"): the target tensor parallel over `model`, the proposer
+        # replicated, KV caches split by slot over `data`
+        self.mesh_spec = mesh
+        self.mesh = make_mesh(mesh)
+        layout = plan_layout(target.config, mesh.model)
+        self.sharding_notes = layout.notes
+        self._placement = Placement(self.mesh, layout)
+        self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self._cache_config = target.config.replace(num_kv_heads=layout.kv_heads_for(target.config))
         # per-layer weight arrays (unrolled layers, no per-step slice copies), stored once
-        self._graphdef, self._params = serving_split(target)
-        self._proposer_params = self.proposer.params()
+        self._graphdef, self._params = serving_split(target, self._placement)
+        self._proposer_params = self.proposer.params(Placement(self.mesh))
         self._executables: dict[ShapeKey, Callable] = {}
         self.lengths = np.zeros(menu.num_slots, np.int64)  # host mirror of committed lengths
         self.proposer_lengths = np.zeros(menu.num_slots, np.int64)  # host mirror: what the proposer saw
         self.catch_up_totals = CatchUpTotals()
+        self._state_shardings = jax.tree_util.tree_map_with_path(self._state_sharding,
+                                                                 jax.eval_shape(self._fresh_state))
+        self._init_state = jax.jit(self._fresh_state, out_shardings=self._state_shardings)
         self.state = self._init_state()
 
     # --- state ---------------------------------------------------------------------
 
-    def _init_state(self) -> DecodeState:
+    def _fresh_state(self) -> DecodeState:
+        """Empty device state (traced under jit with the state's shardings as its output shardings)."""
         c = self.menu
         s1 = c.num_slots + 1
+        slot_rows = padded_slots(c.num_slots, self.mesh_spec.data)  # S' cache rows: S + scratch, padded to `data`
         return DecodeState(
-            cache=init_cache(self.model_config, c.num_slots, c.max_len),
+            cache=init_cache(self._cache_config, slot_rows - 1, c.max_len),
             pending=jnp.zeros((s1,), jnp.int32),
             history=jnp.zeros((s1, c.max_len), jnp.int32),
             n_generated=jnp.zeros((s1,), jnp.int32),
             params=SlotParams(temperature=jnp.zeros((s1,), jnp.float32), top_p=jnp.ones((s1,), jnp.float32),
                               top_k=jnp.zeros((s1,), jnp.int32), seed=jnp.zeros((s1,), jnp.int32)),
-            proposer=self.proposer.init_state(c.num_slots, c.max_len),
+            proposer=self.proposer.init_state(slot_rows - 1, c.max_len),
         )
+
+    def _state_sharding(self, path: tuple, leaf) -> jax.sharding.NamedSharding:
+        """KV cache buffers [S', M, G, H]: slots over `data`, and the target's kv heads over `model`
+        (the proposer's cache is replicated over `model`); everything else replicated."""
+        if leaf.ndim != 4:
+            return self._replicated
+        target_cache = getattr(path[0], "name", None) == "cache"
+        spec = cache_spec(tensor_parallel=target_cache and self._placement.layout.groups > 1)
+        return jax.sharding.NamedSharding(self.mesh, spec)
 
     @property
     def scratch_slot(self) -> int:
@@ -261,15 +287,21 @@ class Engine:
         return keys
 
     def _compile(self, key: ShapeKey) -> Callable:
+        """One menu executable, with explicit input and output shardings (state in = state out)."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        rep, state = self._replicated, self._state_shardings
+        params, proposer_params = jax.tree.map(lambda x: x.sharding, (self._params, self._proposer_params))
         if isinstance(key, StepKey):
-            fn = jax.jit(self._step_body(key.k, key.window), donate_argnums=(2,))
+            fn = jax.jit(self._step_body(key.k, key.window), donate_argnums=(2,),
+                         in_shardings=(params, proposer_params, state, rep, rep), out_shardings=(state, rep))
             lowered = fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch))
         elif isinstance(key, CatchUpKey):
-            fn = jax.jit(self._catch_up_body(key.chunk, key.window), donate_argnums=(1,))
+            fn = jax.jit(self._catch_up_body(key.chunk, key.window), donate_argnums=(1,),
+                         in_shardings=(proposer_params, state, rep, rep, rep), out_shardings=state)
             lowered = fn.lower(self._proposer_params, self.state, i32(1), i32(1), i32(1))
         elif isinstance(key, PrefillKey):
-            fn = jax.jit(self._prefill_body(key.chunk, key.window), donate_argnums=(2,))
+            fn = jax.jit(self._prefill_body(key.chunk, key.window), donate_argnums=(2,),
+                         in_shardings=(params, proposer_params, state, rep), out_shardings=(state, rep))
             lowered = fn.lower(self._params, self._proposer_params, self.state, PrefillInputs.spec(key.chunk))
         else:
             raise TypeError(f"not a shape key: {key!r}")

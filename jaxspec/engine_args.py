@@ -16,6 +16,7 @@ from typing import Any
 
 from jaxspec.build import PROPOSERS
 from jaxspec.dtypes import DTYPES
+from jaxspec.mesh import MeshSpec
 from jaxspec.policy.spec import HELP as POLICY_HELP
 from jaxspec.policy.spec import PolicySpec
 
@@ -57,6 +58,9 @@ class EngineArgs:
     dtype: str = _flag("auto", "dtype of weights and KV cache: 'auto' (float32 on CPU, bfloat16 on GPU/TPU), "
                        "'float32' or 'bfloat16'; softmax, norms, logits, sampling and verify stay float32",
                        metavar="|".join(DTYPES))
+    mesh: str | None = _flag(None, "device mesh: 'data=D,model=M' (KV cache slots over D devices, tensor parallel over "
+                             "M); overrides the engine config's mesh", shown="the engine config's, else data=1,model=1",
+                             metavar="data=D,model=M")
 
     def __post_init__(self):
         if self.proposer not in PROPOSERS:
@@ -69,6 +73,14 @@ class EngineArgs:
         if not 1 <= low <= high:
             raise ValueError(f"ngram needs 1 <= MIN <= MAX, got {self.ngram}")
         self.policy_spec()  # a bad or proposer-less policy fails here, before anything loads
+        if self.mesh is not None:
+            MeshSpec.parse(self.mesh)  # a bad mesh fails here too
+
+    def mesh_spec(self) -> MeshSpec:
+        """--mesh, else the engine config's `mesh:`, else data=1,model=1."""
+        from jaxspec.build import load_mesh  # lazy: imports jax and the models
+
+        return MeshSpec.parse(self.mesh) if self.mesh is not None else load_mesh(self.menu)
 
     def policy_spec(self) -> PolicySpec:
         """The parsed --policy (default: goodput with a proposer, else none); ValueError when it needs

@@ -56,7 +56,7 @@ def profile_key(engine, kind: str | None = None) -> ProfileKey:
     c = engine.menu
     return ProfileKey(device_kind=kind or device_kind(), model=engine.model_name, draft=engine.proposer_name,
                       batch_buckets=c.batch_buckets, k_menu=c.k_menu, window_buckets=c.window_buckets,
-                      dtype=engine.dtype)
+                      dtype=engine.dtype, mesh=str(engine.mesh_spec))
 
 
 def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int = 5, progress: bool = True, *,
@@ -165,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxspec.engine_args import EngineArgs  # the engine flags every command shares
 
     # a profile is only valid for the proposer (and menu) it was measured with
-    EngineArgs.add_arguments(parser, only=("model", "proposer", "draft", "menu", "dtype"), default_menu=None,
+    EngineArgs.add_arguments(parser, only=("model", "proposer", "draft", "menu", "dtype", "mesh"), default_menu=None,
                              defaults={"proposer": "ngram"})
     parser.add_argument("--batch-buckets", type=_ints, default=None, help="override the menu, e.g. 1,4,8")
     parser.add_argument("--k-menu", type=_ints, default=None, help="override the menu, e.g. 0,1,2,4")
@@ -183,11 +183,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_from_args(args: argparse.Namespace):
     """The engine `jaxspec profile` times: jaxspec.build.build_engine with the chosen menu."""
     from jaxspec.build import build_engine, load_menu  # lazy: loads JAX and the model
+    from jaxspec.engine_args import EngineArgs
 
     config = load_menu(args.menu, batch_buckets=args.batch_buckets, k_menu=args.k_menu,
                                 window_buckets=args.window_buckets)
     engine, _tokenizer = build_engine(model=args.model, proposer=args.proposer, draft=args.draft, menu=config,
-                                      dtype=args.dtype)
+                                      dtype=args.dtype, mesh=EngineArgs(menu=args.menu or "default", mesh=args.mesh).mesh_spec())
     return engine
 
 

@@ -1,14 +1,14 @@
 """Llama-family decoder in flax.nnx: Llama, SmolLM2, Qwen2 (qkv bias), Mistral.
 
 Weights are stored stacked along a leading layer axis. Serving runs the layers unrolled over
-per-layer arrays (`layer_weights`, `serving_split`: each matmul reads its weights in place); a
+per-layer arrays (`serving_split`, `fuse_layer`: each matmul reads its weights in place); a
 `jax.lax.scan` over the stacked weights remains for training and tests (fast to compile).
 
 Dimension names (docs/design.md, "Dimension names"):
   B batch rows   T new tokens per row   S slots (+1 scratch)   M cache positions (max_len)
   W attended window   D model width   F FFN width   E a fused projection's output width
   N query heads   G kv heads   R = N // G query heads per kv head   H head dim   V vocab
-  J positions whose logits are kept   L layers
+  J positions whose logits are kept   L layers   P tensor-parallel groups (mesh `model` size)
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.kv_cache import KVCache
+from models.sharding import Placement, TensorParallelLayout
+from jax.sharding import PartitionSpec as PS
 
 # Names of the stacked per-layer weights, in a fixed order.
 LAYER_WEIGHTS = (
@@ -69,27 +71,84 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype) * weight
 
 
-ServingParams = tuple  # (nnx.State with empty stacked placeholders, per-layer weights from `layer_weights`)
+ServingParams = tuple  # (nnx.State with empty stacked placeholders, per-layer weights from `fuse_layer`)
 
 
-_SERVING_SPLITS: weakref.WeakKeyDictionary[Llama, tuple] = weakref.WeakKeyDictionary()
+_SERVING_SPLITS: weakref.WeakKeyDictionary[Llama, dict[Placement, tuple]] = weakref.WeakKeyDictionary()
 
 
-def serving_split(model: Llama) -> tuple[nnx.GraphDef, ServingParams]:
-    """Split a model for the serving path: graphdef and (params, per-layer weights).
+def serving_split(model: Llama, placement: Placement = Placement()) -> tuple[nnx.GraphDef, ServingParams]:
+    """Split a model for the serving path: graphdef and (params, per-layer weights), placed by `placement`.
 
     The stacked layer weights are replaced by empty placeholders in the params, and the
     per-layer arrays that `forward_cached(layers=)` reads in place are built once per model
-    object: engines over the same model (a plain and a speculative one) share them. Call
-    outside jit, and do not mutate the model's weights afterwards.
+    object and placement: engines over the same model (a plain and a speculative one) share them.
+    Each layer is fused, placed and its host copy dropped before the next (`fuse_layer`).
+    Call outside jit, and do not mutate the model's weights afterwards.
     """
-    if model not in _SERVING_SPLITS:
-        graphdef, params = nnx.split(model)
-        layers = model.layer_weights()
-        for name in model.stacked_weight_names():
-            params[name] = params[name].replace(jnp.zeros((0,), params[name].value.dtype))
-        _SERVING_SPLITS[model] = (graphdef, (params, layers))
-    return _SERVING_SPLITS[model]
+    splits = _SERVING_SPLITS.setdefault(model, {})
+    if placement not in splits:
+        if is_serving_only(model):
+            raise ValueError(f"{model.config.name} was loaded straight into its serving layout for one placement "
+                             f"({placement_name(next(iter(splits)))}); it cannot be re-split for "
+                             f"{placement_name(placement)}: load it again with that mesh")
+        stacked = model._layer_params()
+        layers = tuple({name: placement.put_param(name, value) for name, value in
+                        fuse_layer(model.config, {n: np.asarray(w[i]) for n, w in stacked.items()},
+                                   placement.layout).items()}
+                       for i in range(model.config.num_layers))
+        register_serving_split(model, placement, layers)
+    return splits[placement]
+
+
+def register_serving_split(model: Llama, placement: Placement, layers: tuple[dict, ...]) -> None:
+    """Record `layers` (built by `fuse_layer`, placed by `placement`) as the model's serving weights
+    there, and place its other weights (embedding, final norm, LM head) by the same placement."""
+    stacked = set(model.stacked_weight_names())
+    graphdef, params = nnx.split(model)
+    placed = []
+    for path, state in params.flat_state():
+        name = str(path[-1])
+        if name in stacked:  # the layers are read from `layers`; keep an empty placeholder
+            placed.append((path, state.replace(placement.put(np.zeros((0,), state.value.dtype), PS()))))
+        else:
+            placed.append((path, state.replace(placement.put_param(name, state.value))))
+    params = nnx.State.from_flat_path(placed)
+    _SERVING_SPLITS.setdefault(model, {})[placement] = (graphdef, (params, layers))
+
+
+def is_serving_only(model: Llama) -> bool:
+    """True for a model loaded straight into its serving layout (its stacked weights are empty)."""
+    return getattr(model, "attn_norm").value.size == 0
+
+
+def placement_name(placement: Placement) -> str:
+    mesh = placement.mesh
+    return "one device" if mesh is None else ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+
+
+def fuse_layer(config: ModelConfig, w: dict[str, np.ndarray], layout: TensorParallelLayout) -> dict[str, np.ndarray]:
+    """One layer's weights (`LAYER_WEIGHTS` shapes, host arrays) in the fused serving layout of `layout`.
+
+    P = layout.groups. Q/K/V and gate/up are each one matmul per layer (the CPU pays per kernel),
+    grouped by tensor-parallel shard so each of the P groups is one contiguous block:
+    wqkv [D, P, (N + 2G')H / P], w_gate_up [D, P, 2F / P]. kv heads are repeated to G' first when
+    the layout asks (an exactly equivalent model). P = 1 is the plain fused layout.
+    """
+    c = config
+    p, d, h = layout.groups, c.hidden_size, c.head_dim
+    repeat = layout.kv_heads_for(c) // c.num_kv_heads
+    kv = lambda name: np.repeat(w[name], repeat, axis=1)  # noqa: E731  [D, G, H] -> [D, G', H]
+    # each projection [D, heads, H] -> [D, P, heads/P * H], then q | k | v per group: [D, P, E/P]
+    grouped = lambda x: x.reshape(d, p, -1)  # noqa: E731
+    fused = {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"], "wo": w["wo"], "w_down": w["w_down"],
+             "wqkv": np.concatenate([grouped(w["wq"]), grouped(kv("wk")), grouped(kv("wv"))], axis=2),
+             "w_gate_up": np.concatenate([grouped(w["w_gate"]), grouped(w["w_up"])], axis=2)}  # [D, P, 2F/P]
+    if c.qkv_bias:
+        bias = lambda x: x.reshape(p, -1)  # noqa: E731  [heads, H] -> [P, heads/P * H]
+        fused["bqkv"] = np.concatenate([bias(w["bq"]), bias(np.repeat(w["bk"], repeat, axis=0)),
+                                        bias(np.repeat(w["bv"], repeat, axis=0))], axis=1)  # [P, E/P]
+    return {name: np.ascontiguousarray(value) for name, value in fused.items()}
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -201,44 +260,21 @@ class Llama(nnx.Module):
         # [B, T, D] x [D, V] -> [B, T, V]
         return jnp.einsum("BTD,DV->BTV", h, self.lm_head.value, preferred_element_type=jnp.float32)
 
-    def layer_weights(self) -> tuple[dict[str, jax.Array], ...]:
-        """Per-layer weights as separate arrays (one dict per layer).
-
-        On CPU a scan over stacked weights copies each layer's slice before its matmuls (~3x
-        the weight traffic of a decode step); serving passes these to `forward_cached(layers=)`
-        so every matmul reads its weights in place. Q/K/V and gate/up are concatenated into one
-        matrix each (fewer kernels per layer). Call outside jit: it materialises copies.
-        """
-        c = self.config
-        stacked = self._layer_params()
-
-        def one(i: int) -> dict[str, jax.Array]:
-            w = {name: stacked[name][i] for name in stacked}
-            # fused projections: fewer, larger matmuls per layer (the CPU pays per kernel)
-            qkv = [w["wq"].reshape(c.hidden_size, -1), w["wk"].reshape(c.hidden_size, -1),
-                   w["wv"].reshape(c.hidden_size, -1)]
-            fused = {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"], "wo": w["wo"], "w_down": w["w_down"],
-                     "wqkv": jnp.concatenate(qkv, axis=1),  # [D, (N + 2G) H]
-                     "w_gate_up": jnp.concatenate([w["w_gate"], w["w_up"]], axis=1)}  # [D, 2F]
-            if c.qkv_bias:
-                fused["bqkv"] = jnp.concatenate([w["bq"].reshape(-1), w["bk"].reshape(-1), w["bv"].reshape(-1)])
-            return {name: jnp.array(value) for name, value in fused.items()}
-
-        return tuple(one(i) for i in range(c.num_layers))
-
     def _decoder_layer(self, p: dict, x: jax.Array, rope_cs, attend: Callable, index, state):
         """One pre-norm block: x [B, T, D] -> x [B, T, D]."""
         c = self.config
         h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)  # [B, T, D]
-        if "wqkv" in p:  # fused serving layout (see layer_weights)
+        if "wqkv" in p:  # fused serving layout, P tensor-parallel groups (see fuse_layer)
             b, t, _ = h.shape
-            qkv = jnp.einsum("BTD,DE->BTE", h, p["wqkv"])  # [B, T, (N + 2G) H]
+            groups, group_width = p["wqkv"].shape[1:]
+            qkv = jnp.einsum("BTD,DPE->BTPE", h, p["wqkv"])  # [B, T, P, E/P]
             if c.qkv_bias:
-                qkv = qkv + p["bqkv"]
-            nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            q = qkv[..., :nq].reshape(b, t, c.num_heads, c.head_dim)  # [B, T, N, H]
-            k = qkv[..., nq:nq + nk].reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, G, H]
-            v = qkv[..., nq + nk:].reshape(b, t, c.num_kv_heads, c.head_dim)  # [B, T, G, H]
+                qkv = qkv + p["bqkv"]  # + [P, E/P]
+            nq = c.num_heads // groups * c.head_dim  # query columns per group
+            nk = (group_width - nq) // 2  # key (and value) columns per group
+            q = qkv[..., :nq].reshape(b, t, c.num_heads, c.head_dim)  # [B, T, P, nq] -> [B, T, N, H]
+            k = qkv[..., nq:nq + nk].reshape(b, t, -1, c.head_dim)  # [B, T, G', H]
+            v = qkv[..., nq + nk:].reshape(b, t, -1, c.head_dim)  # [B, T, G', H]
         else:
             q = jnp.einsum("BTD,DNH->BTNH", h, p["wq"])  # [B, T, N, H]
             k = jnp.einsum("BTD,DGH->BTGH", h, p["wk"])  # [B, T, G, H]
@@ -250,7 +286,8 @@ class Llama(nnx.Module):
         x = x + jnp.einsum("BTNH,NHD->BTD", out, p["wo"])  # [B, T, D]
         h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
         if "w_gate_up" in p:
-            gate, up = jnp.split(jnp.einsum("BTD,DE->BTE", h, p["w_gate_up"]), 2, axis=-1)  # 2 x [B, T, F]
+            gate_up = jnp.einsum("BTD,DPE->BTPE", h, p["w_gate_up"])  # [B, T, P, 2F/P]
+            gate, up = (part.reshape(*h.shape[:2], -1) for part in jnp.split(gate_up, 2, axis=-1))  # 2 x [B, T, F]
         else:
             gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"])  # [B, T, F]
             up = jnp.einsum("BTD,DF->BTF", h, p["w_up"])  # [B, T, F]
@@ -260,10 +297,12 @@ class Llama(nnx.Module):
     def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable, carry_state, layers=None):
         """All decoder layers. `attend(layer, q, k, v, state) -> (out, state)`.
 
-        With `layers` (from `layer_weights`) the loop is unrolled over separate arrays (fast
+        With `layers` (from `serving_split`) the loop is unrolled over separate arrays (fast
         serving path); without, a `lax.scan` over the stacked weights (fast to compile; training).
         """
         rope_cs = rope_tables(positions, self.config.head_dim, self.config.rope_theta)  # once, not per layer
+        if layers is None and is_serving_only(self):  # loaded straight into the serving layout
+            layers = next(iter(_SERVING_SPLITS[self].values()))[1][1]
         if layers is not None:
             for index, p in enumerate(layers):
                 x, carry_state = self._decoder_layer(p, x, rope_cs, attend, index, carry_state)
@@ -304,7 +343,7 @@ class Llama(nnx.Module):
         caller commits), attends over cache positions [0, window) masked by `window_mask`.
         The layers are unrolled (one in-place cache buffer per layer).
         `logits_at` [B, J] optionally selects which of the T positions to unembed; `layers`
-        optionally supplies per-layer weights (see `layer_weights`).
+        optionally supplies per-layer weights (see `serving_split`).
         Returns logits [B, T or J, V] (fp32) and the updated cache.
         """
         if window > cache.max_len:

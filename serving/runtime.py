@@ -78,13 +78,17 @@ def assemble_engine(engine_args: EngineArgs, menu: Menu,
                     before_proposer: InputCheck | None = None) -> tuple[Engine, TokenizerLike, str]:
     """(engine, tokenizer, model name) for `engine_args` on `menu`; nothing compiled yet.
     `before_proposer(tokenizer, limits)` runs once the target is loaded, before the draft is."""
-    built = build_model(engine_args.model, dtype=engine_args.dtype)
+    mesh = engine_args.mesh_spec()
+    built = build_model(engine_args.model, dtype=engine_args.dtype, mesh=mesh)
     tokenizer = resolve_tokenizer(engine_args.tokenizer, built.tokenizer, built.name)
     if before_proposer is not None:
         before_proposer(tokenizer, RequestLimits(max_len=menu.max_len, vocab_size=built.model.config.vocab_size,
                                                  stop_strings_allowed=True))
-    proposer = build_proposer(engine_args.proposer, built.model, engine_args.draft, ngram=engine_args.ngram)
-    return Engine(built.model, proposer, menu), tokenizer, built.name
+    proposer = build_proposer(engine_args.proposer, built.model, engine_args.draft, ngram=engine_args.ngram, mesh=mesh)
+    engine = Engine(built.model, proposer, menu, mesh=mesh)
+    for note in engine.sharding_notes:  # what was replicated or padded to fit the mesh (models.sharding)
+        print(f"mesh {mesh}: {note}", file=sys.stderr)
+    return engine, tokenizer, built.name
 
 
 def build_runtime(engine_args: EngineArgs, progress: bool = True, before_warmup: InputCheck | None = None,

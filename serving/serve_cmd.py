@@ -18,7 +18,7 @@ from serving.service import GenerationServer, PolicyFactory
 log = logging.getLogger(__name__)
 
 # the EngineArgs fields ServeConfig has
-ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer", "dtype")
+ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer", "dtype", "mesh")
 
 
 def build_server(config: ServeConfig, progress: bool = True) -> GenerationServer:

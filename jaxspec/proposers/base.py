@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxspec.types import Proposals, RowParams
 from models.llama import StepInputs
+from models.sharding import Placement
 
 
 @jax.tree_util.register_dataclass
@@ -47,8 +48,8 @@ class Proposer:
         """Device state for `num_slots` slots (+ scratch). Default: none."""
         return ()
 
-    def params(self):
-        """Weights passed to every compiled call (pytree). Default: none."""
+    def params(self, placement: Placement = Placement()):
+        """Weights passed to every compiled call (pytree), placed by `placement`. Default: none."""
         return ()
 
     def prefill(self, params, state, inputs: StepInputs, n_valid: jax.Array, window: int):

@@ -25,6 +25,7 @@ from jaxspec.proposers.base import Proposer, StepContext
 from jaxspec.types import Proposals
 from models.kv_cache import KVCache, init_cache
 from models.llama import Llama, ServingParams, StepInputs, chain_inputs, serving_split
+from models.sharding import Placement
 
 CATCH_UP = 2  # tokens fed to the draft at the start of every step
 
@@ -38,12 +39,14 @@ class DraftModelProposer(Proposer):
     def __init__(self, draft: Llama, name: str = "draft"):
         self.name = name
         self.config = draft.config
-        # per-layer weights read in place, like the target's (a draft with many layers would
-        # otherwise copy every stacked slice on every draft forward)
-        self.graphdef, self._params = serving_split(draft)
+        self.draft = draft
+        self.graphdef = nnx.graphdef(draft)
 
-    def params(self) -> ServingParams:
-        return self._params
+    def params(self, placement: Placement = Placement()) -> ServingParams:
+        """Per-layer weights read in place, like the target's (a draft with many layers would otherwise
+        copy every stacked slice on every draft forward); replicated over the mesh by the engine."""
+        self.graphdef, params = serving_split(self.draft, placement)
+        return params
 
     def init_state(self, num_slots: int, max_len: int) -> KVCache:
         return init_cache(self.config, num_slots, max_len)

@@ -42,8 +42,8 @@ class NoisyProposer(Proposer):
     def init_state(self, num_slots, max_len):
         return self.inner.init_state(num_slots, max_len)
 
-    def params(self):
-        return self.inner.params()
+    def params(self, placement=None):
+        return self.inner.params() if placement is None else self.inner.params(placement)
 
     def prefill(self, params, state, inputs, n_valid, window):
         return self.inner.prefill(params, state, inputs, n_valid, window)
