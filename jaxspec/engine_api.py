@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, MenuMissError, PrefillKey, ShapeKey, StepKey
+from jaxspec.mesh import MeshSpec
 from jaxspec.types import SamplingParams, StepResult
 
 # --- the contract -----------------------------------------------------------------------
@@ -36,6 +37,7 @@ class EngineAPI(Protocol):
     eos_token_ids:  the model's end-of-sequence ids.
     proposer_name:  "none", "ngram", "draft:<draft model>", ...; names the cost profile.
     dtype:          the weights' and KV cache's dtype ('float32', 'bfloat16'); names the cost profile.
+    mesh_spec:      the device mesh it runs on (jaxspec.mesh.MeshSpec); names the cost profile.
     """
 
     menu: Menu
@@ -44,6 +46,7 @@ class EngineAPI(Protocol):
     eos_token_ids: tuple[int, ...]
     proposer_name: str
     dtype: str
+    mesh_spec: MeshSpec
 
     def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True) -> int:
         """Make every shape of the menu (or `keys`) ready; returns how many were built."""

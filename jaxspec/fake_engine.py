@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxspec.menu import CapacityError, CatchUpCall, Menu, MenuMissError, ShapeKey, StepKey
+from jaxspec.mesh import MeshSpec
 from jaxspec.types import SamplingParams, StepResult
 
 
@@ -48,6 +49,7 @@ class FakeEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.proposer_name = proposer_name
         self.dtype = dtype
+        self.mesh_spec = MeshSpec()  # counts on the host: no devices
         self.accept = accept
         self.tracks_context = tracks_context
         self.in_step_catch_up = in_step_catch_up

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import jax
-from jax.sharding import AxisType, Mesh
+if TYPE_CHECKING:  # jax is imported where a mesh is made: MeshSpec is a plain value (the fake engine has one)
+    from jax.sharding import Mesh
 
-from models.sharding import DATA, MODEL
+DATA, MODEL = "data", "model"  # the axis names models.sharding splits arrays over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,12 @@ class MeshSpec:
 
 def make_mesh(spec: MeshSpec) -> Mesh:
     """A jax Mesh (axes data, model) over the first D × M devices; a clear error when there are fewer."""
+    import jax
+    from jax.sharding import AxisType
+
+    from models import sharding
+
+    assert (sharding.DATA, sharding.MODEL) == (DATA, MODEL)
     devices = jax.devices()
     if spec.size > len(devices):
         hint = (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N host devices)"

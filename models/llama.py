@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as PS
 
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.sharding import Placement, TensorParallelLayout
-from jax.sharding import PartitionSpec as PS
 
 # Names of the stacked per-layer weights, in a fixed order.
 LAYER_WEIGHTS = (
@@ -119,7 +119,7 @@ def register_serving_split(model: Llama, placement: Placement, layers: tuple[dic
 
 def is_serving_only(model: Llama) -> bool:
     """True for a model loaded straight into its serving layout (its stacked weights are empty)."""
-    return getattr(model, "attn_norm").value.size == 0
+    return model.attn_norm.value.size == 0
 
 
 def placement_name(placement: Placement) -> str:
@@ -136,7 +136,7 @@ def fuse_layer(config: ModelConfig, w: dict[str, np.ndarray], layout: TensorPara
     the layout asks (an exactly equivalent model). P = 1 is the plain fused layout.
     """
     c = config
-    p, d, h = layout.groups, c.hidden_size, c.head_dim
+    p, d = layout.groups, c.hidden_size
     repeat = layout.kv_heads_for(c) // c.num_kv_heads
     kv = lambda name: np.repeat(w[name], repeat, axis=1)  # noqa: E731  [D, G, H] -> [D, G', H]
     # each projection [D, heads, H] -> [D, P, heads/P * H], then q | k | v per group: [D, P, E/P]
