@@ -187,8 +187,9 @@ def build_from_args(args: argparse.Namespace):
 
     config = load_menu(args.menu, batch_buckets=args.batch_buckets, k_menu=args.k_menu,
                                 window_buckets=args.window_buckets)
+    mesh = EngineArgs(menu=args.menu or "default", mesh=args.mesh).mesh_spec()
     engine, _tokenizer = build_engine(model=args.model, proposer=args.proposer, draft=args.draft, menu=config,
-                                      dtype=args.dtype, mesh=EngineArgs(menu=args.menu or "default", mesh=args.mesh).mesh_spec())
+                                      dtype=args.dtype, mesh=mesh)
     return engine
 
 
