@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -13,13 +14,16 @@ from jaxspec.config_file import check_fields
 from jaxspec.dtypes import resolve_dtype
 from jaxspec.engine import Engine
 from jaxspec.menu import Menu
-from jaxspec.mesh import MeshSpec
+from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.proposers.base import Proposer
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.resources import config_file
-from models.llama import Llama, from_hf_state_dict, random_model, to_hf_state_dict
-from models.loading import ModelLoadError, TextTokenizer, load_model, resolve_model
+from models.config import ModelConfig
+from models.llama import Llama, from_hf_state_dict, is_serving_only, random_model, to_hf_state_dict
+from models.loading import ModelLoadError, TextTokenizer, resolve_model
+from models.loading.streaming import stream_model, streamed_source
+from models.sharding import Placement, TensorParallelLayout, plan_layout
 
 PROPOSERS = ("none", "draft", "ngram")
 
@@ -43,21 +47,39 @@ def build_model(spec: str | None, seed: int = 0, dtype: str = "float32", mesh: M
     `dtype` ('auto', 'float32', 'bfloat16') is that of the weights and KV cache, resolved against
     jax.default_backend() here (jaxspec.dtypes.resolve_dtype); engine commands pass --dtype (default auto).
     `mesh` / `tensor_parallel`: where loaded weights are placed (split over `model`, or replicated for a draft).
+    A loaded model is streamed tensor by tensor into its serving layout for that placement
+    (`models.loading.streaming`: never a whole float32 copy on the host); it serves only there.
     """
     dtype = resolve_dtype(dtype, jax.default_backend())  # a bad name fails before anything loads
     source = resolve_model(spec)
     if source.preset is not None:
         return BuiltModel(random_model(source.preset.replace(dtype=dtype), seed), None, source.name)
-    loaded = load_model(spec, cache_dir=model_cache_dir())
-    model = from_hf_state_dict(loaded.config.replace(dtype=dtype), loaded.state_dict)  # casts to config.dtype
-    return BuiltModel(model, loaded.tokenizer, source.name)
+    streamed = stream_model(source, dtype, _placement(mesh, tensor_parallel))
+    return BuiltModel(streamed.model, streamed.tokenizer, source.name)
 
 
-def truncated_copy(target: Llama, num_layers: int) -> Llama:
-    """The target's first `num_layers` layers with its embedding and head: a cheap draft."""
+def _placement(mesh: MeshSpec, tensor_parallel: bool) -> Callable[[ModelConfig], Placement]:
+    """Where a loaded model's serving weights go: split over `model` (plan_layout) or replicated."""
+    if not tensor_parallel:
+        return lambda config: Placement(make_mesh(mesh), TensorParallelLayout())
+    return lambda config: Placement(make_mesh(mesh), plan_layout(config, mesh.model))
+
+
+def truncated_copy(target: Llama, num_layers: int, mesh: MeshSpec = MeshSpec()) -> Llama:
+    """The target's first `num_layers` layers with its embedding and head: a cheap draft.
+
+    A streamed (serving-only) target is re-read from its file (first layers only), replicated over `mesh`.
+    """
     if not 1 <= num_layers <= target.config.num_layers:
         raise ValueError(f"truncated draft needs 1..{target.config.num_layers} layers, got {num_layers}")
-    config = target.config.replace(name=f"{target.config.name}-first{num_layers}", num_layers=num_layers)
+    name = f"{target.config.name}-first{num_layers}"
+    if is_serving_only(target):
+        source = streamed_source(target)
+        if source is None:
+            raise ValueError(f"{target.config.name} is serving-only but was not streamed from a file")
+        return stream_model(source, target.config.dtype, Placement(make_mesh(mesh)), num_layers=num_layers,
+                            name=name).model
+    config = target.config.replace(name=name, num_layers=num_layers)
     return from_hf_state_dict(config, to_hf_state_dict(target))
 
 
@@ -67,7 +89,7 @@ def build_draft(spec: str, target: Llama, mesh: MeshSpec = MeshSpec()) -> Llama:
     if spec == "self":
         return target
     if spec.startswith("truncated:"):
-        return truncated_copy(target, int(spec.split(":", 1)[1]))
+        return truncated_copy(target, int(spec.split(":", 1)[1]), mesh)
     if spec == "default":
         from jaxspec.distill import load_shipped_draft  # imported lazily: optional artefact
         return load_shipped_draft(target.config, target)

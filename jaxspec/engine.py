@@ -129,7 +129,8 @@ class Engine:
         self._cache_config = target.config.replace(num_kv_heads=layout.kv_heads_for(target.config))
         # per-layer weight arrays (unrolled layers, no per-step slice copies), stored once
         self._graphdef, self._params = serving_split(target, self._placement)
-        self._proposer_params = self.proposer.params(Placement(self.mesh))
+        self.replicated_placement = Placement(self.mesh)  # the proposer's weights: replicated (small)
+        self._proposer_params = self.proposer.params(self.replicated_placement)
         self._executables: dict[ShapeKey, Callable] = {}
         self.lengths = np.zeros(menu.num_slots, np.int64)  # host mirror of committed lengths
         self.proposer_lengths = np.zeros(menu.num_slots, np.int64)  # host mirror: what the proposer saw
@@ -164,6 +165,12 @@ class Engine:
         target_cache = getattr(path[0], "name", None) == "cache"
         spec = cache_spec(tensor_parallel=target_cache and self._placement.layout.groups > 1)
         return jax.sharding.NamedSharding(self.mesh, spec)
+
+    def placed_weights(self) -> tuple[dict[str, jax.Array], tuple[dict[str, jax.Array], ...]]:
+        """The target's serving weights as placed on the mesh: embedding / final norm / LM head by name,
+        and one dict per layer (models.llama.fuse_layer names)."""
+        params, layers = self._params
+        return {str(path[-1]): v.value for path, v in params.flat_state() if v.value.size}, layers
 
     @property
     def scratch_slot(self) -> int:

@@ -127,28 +127,42 @@ def placement_name(placement: Placement) -> str:
     return "one device" if mesh is None else ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
 
 
-def fuse_layer(config: ModelConfig, w: dict[str, np.ndarray], layout: TensorParallelLayout) -> dict[str, np.ndarray]:
-    """One layer's weights (`LAYER_WEIGHTS` shapes, host arrays) in the fused serving layout of `layout`.
+def fuse_layer(config: ModelConfig, w: dict[str, jax.Array], layout: TensorParallelLayout) -> dict[str, jax.Array]:
+    """One layer's weights (`LAYER_WEIGHTS` shapes, numpy or jax arrays) in the fused serving layout of `layout`.
 
     P = layout.groups. Q/K/V and gate/up are each one matmul per layer (the CPU pays per kernel),
     grouped by tensor-parallel shard so each of the P groups is one contiguous block:
     wqkv [D, P, (N + 2G')H / P], w_gate_up [D, P, 2F / P]. kv heads are repeated to G' first when
-    the layout asks (an exactly equivalent model). P = 1 is the plain fused layout.
+    the layout asks (an exactly equivalent model). P = 1 is the plain fused layout. Traceable
+    (`serving_shapes` runs it under jax.eval_shape).
     """
     c = config
     p, d = layout.groups, c.hidden_size
     repeat = layout.kv_heads_for(c) // c.num_kv_heads
-    kv = lambda name: np.repeat(w[name], repeat, axis=1)  # noqa: E731  [D, G, H] -> [D, G', H]
-    # each projection [D, heads, H] -> [D, P, heads/P * H], then q | k | v per group: [D, P, E/P]
-    grouped = lambda x: x.reshape(d, p, -1)  # noqa: E731
+    kv = lambda x: jnp.repeat(x, repeat, axis=1)  # noqa: E731  [D, G, H] -> [D, G', H]
+    grouped = lambda x: jnp.reshape(x, (d, p, -1))  # noqa: E731  [D, heads, H] or [D, F] -> [D, P, E/P]
     fused = {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"], "wo": w["wo"], "w_down": w["w_down"],
-             "wqkv": np.concatenate([grouped(w["wq"]), grouped(kv("wk")), grouped(kv("wv"))], axis=2),
-             "w_gate_up": np.concatenate([grouped(w["w_gate"]), grouped(w["w_up"])], axis=2)}  # [D, P, 2F/P]
+             # [D, P, nq/P | G'H/P | G'H/P]: q | k | v per group
+             "wqkv": jnp.concatenate([grouped(w["wq"]), grouped(kv(w["wk"])), grouped(kv(w["wv"]))], axis=2),
+             "w_gate_up": jnp.concatenate([grouped(w["w_gate"]), grouped(w["w_up"])], axis=2)}  # [D, P, 2F/P]
     if c.qkv_bias:
-        bias = lambda x: x.reshape(p, -1)  # noqa: E731  [heads, H] -> [P, heads/P * H]
-        fused["bqkv"] = np.concatenate([bias(w["bq"]), bias(np.repeat(w["bk"], repeat, axis=0)),
-                                        bias(np.repeat(w["bv"], repeat, axis=0))], axis=1)  # [P, E/P]
-    return {name: np.ascontiguousarray(value) for name, value in fused.items()}
+        bias = lambda x: jnp.reshape(x, (p, -1))  # noqa: E731  [heads, H] -> [P, heads/P * H]
+        fused["bqkv"] = jnp.concatenate([bias(w["bq"]), bias(jnp.repeat(w["bk"], repeat, axis=0)),
+                                         bias(jnp.repeat(w["bv"], repeat, axis=0))], axis=1)  # [P, E/P]
+    return {name: jnp.asarray(value) for name, value in fused.items()}
+
+
+def serving_shapes(config: ModelConfig, layout: TensorParallelLayout) -> dict[str, jax.ShapeDtypeStruct]:
+    """Global shape and dtype of every serving weight of one layer and of embed / lm_head / final_norm,
+    by name (no memory: jax.eval_shape). With `models.sharding.param_spec` it gives per-device shapes."""
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    one_layer = {name: jax.ShapeDtypeStruct(getattr(model, name).value.shape[1:], getattr(model, name).value.dtype)
+                 for name in model.stacked_weight_names()}
+    shapes = dict(jax.eval_shape(lambda w: fuse_layer(config, w, layout), one_layer))
+    for name in ("embed", "final_norm") + (() if config.tie_embeddings else ("lm_head",)):
+        value = getattr(model, name).value
+        shapes[name] = jax.ShapeDtypeStruct(value.shape, value.dtype)
+    return shapes
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -379,48 +393,89 @@ class Llama(nnx.Module):
 # --- conversion from / to Hugging Face layout ------------------------------------------
 
 
-def _hf_layer_tensors(config: ModelConfig, sd: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+def _hf_layer_tensors(config: ModelConfig, tensor: Callable[[str], np.ndarray], i: int,
+                      dtype: np.dtype = np.dtype(np.float32)) -> dict[str, np.ndarray]:
+    """Layer `i` in our unfused layout (`LAYER_WEIGHTS` shapes, host arrays of `dtype`).
+
+    `tensor(hf_name)` gives one HF-layout tensor ([out, in]); each is cast to `dtype` as soon as it is
+    read, so a caller that reads tensors lazily holds at most one of them in its source precision.
+    """
     c = config
     N, G, H, D = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
     pre = f"model.layers.{i}."
-    get = lambda name: np.asarray(sd[pre + name], np.float32)  # noqa: E731
+    get = lambda name: np.asarray(tensor(pre + name)).astype(dtype, copy=False)  # noqa: E731
     out = {
-        "attn_norm": get("input_layernorm.weight"),
+        "attn_norm": get("input_layernorm.weight"),  # [D]
         # HF [out, in] -> ours [in, heads, head_dim]
-        "wq": get("self_attn.q_proj.weight").T.reshape(D, N, H),
-        "wk": get("self_attn.k_proj.weight").T.reshape(D, G, H),
-        "wv": get("self_attn.v_proj.weight").T.reshape(D, G, H),
-        "wo": get("self_attn.o_proj.weight").T.reshape(N, H, D),
-        "mlp_norm": get("post_attention_layernorm.weight"),
-        "w_gate": get("mlp.gate_proj.weight").T,
-        "w_up": get("mlp.up_proj.weight").T,
-        "w_down": get("mlp.down_proj.weight").T,
+        "wq": get("self_attn.q_proj.weight").T.reshape(D, N, H),  # [N*H, D] -> [D, N, H]
+        "wk": get("self_attn.k_proj.weight").T.reshape(D, G, H),  # [G*H, D] -> [D, G, H]
+        "wv": get("self_attn.v_proj.weight").T.reshape(D, G, H),  # [G*H, D] -> [D, G, H]
+        "wo": get("self_attn.o_proj.weight").T.reshape(N, H, D),  # [D, N*H] -> [N, H, D]
+        "mlp_norm": get("post_attention_layernorm.weight"),  # [D]
+        "w_gate": get("mlp.gate_proj.weight").T,  # [F, D] -> [D, F]
+        "w_up": get("mlp.up_proj.weight").T,  # [F, D] -> [D, F]
+        "w_down": get("mlp.down_proj.weight").T,  # [D, F] -> [F, D]
     }
     if c.qkv_bias:
-        out["bq"] = get("self_attn.q_proj.bias").reshape(N, H)
-        out["bk"] = get("self_attn.k_proj.bias").reshape(G, H)
-        out["bv"] = get("self_attn.v_proj.bias").reshape(G, H)
+        out["bq"] = get("self_attn.q_proj.bias").reshape(N, H)  # [N*H] -> [N, H]
+        out["bk"] = get("self_attn.k_proj.bias").reshape(G, H)  # [G*H] -> [G, H]
+        out["bv"] = get("self_attn.v_proj.bias").reshape(G, H)  # [G*H] -> [G, H]
     return out
 
 
 def from_hf_state_dict(config: ModelConfig, sd: dict[str, np.ndarray]) -> Llama:
-    """Build a Llama from a Hugging Face-named state dict (float arrays, [out, in] layout)."""
+    """Build a Llama from a Hugging Face-named state dict (float arrays, [out, in] layout).
+
+    Stacks the whole model in float32 on the host; serving loads stream instead
+    (`models.loading.streaming`, which builds a `serving_only_model`).
+    """
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     dtype = jnp.dtype(config.dtype)
     missing = [k for k in _expected_hf_keys(config) if k not in sd]
     if missing:
         raise KeyError(f"state dict is missing {len(missing)} tensors, e.g. {missing[:3]}")
-    layers = [_hf_layer_tensors(config, sd, i) for i in range(config.num_layers)]
-    values = {name: np.stack([layer[name] for layer in layers]) for name in layers[0]}
-    values["embed"] = np.asarray(sd["model.embed_tokens.weight"], np.float32)
-    values["final_norm"] = np.asarray(sd["model.norm.weight"], np.float32)
+    layers = [_hf_layer_tensors(config, sd.__getitem__, i) for i in range(config.num_layers)]
+    values = {name: np.stack([layer[name] for layer in layers]) for name in layers[0]}  # each [L, ...]
+    values["embed"] = np.asarray(sd["model.embed_tokens.weight"], np.float32)  # [V, D]
+    values["final_norm"] = np.asarray(sd["model.norm.weight"], np.float32)  # [D]
     if not config.tie_embeddings:
-        values["lm_head"] = np.asarray(sd["lm_head.weight"], np.float32).T
+        values["lm_head"] = np.asarray(sd["lm_head.weight"], np.float32).T  # [V, D] -> [D, V]
     for name, value in values.items():
         param = getattr(model, name)
         if tuple(param.value.shape) != value.shape:
             raise ValueError(f"{name}: expected shape {tuple(param.value.shape)}, got {value.shape}")
         param.value = jnp.asarray(value, dtype)
+    return model
+
+
+def serving_only_model(config: ModelConfig, placement: Placement, layers: tuple[dict, ...],
+                       others: dict[str, jax.Array | np.ndarray]) -> Llama:
+    """A Llama that exists only in its serving layout for `placement` (`is_serving_only`).
+
+    `layers`: per-layer weights from `fuse_layer`, already placed by `placement`; `others`: arrays
+    of `config.dtype` for embed [V, D], final_norm [D] and (untied) lm_head [D, V]. The stacked
+    weights are zero-size placeholders; the split is registered (`register_serving_split`), so
+    `serving_split(model, placement)` returns it, and the model's own embed / final_norm / lm_head
+    are the placed arrays (no second copy).
+    """
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    dtype = jnp.dtype(config.dtype)
+    if len(layers) != config.num_layers:
+        raise ValueError(f"expected {config.num_layers} layers, got {len(layers)}")
+    for name in model.stacked_weight_names():
+        getattr(model, name).value = jnp.zeros((0,), dtype)  # [0] placeholder
+    names = ("embed", "final_norm") + (() if config.tie_embeddings else ("lm_head",))
+    if set(others) != set(names):
+        raise ValueError(f"expected weights {sorted(names)}, got {sorted(others)}")
+    for name in names:
+        param, value = getattr(model, name), others[name]
+        if tuple(param.value.shape) != value.shape or value.dtype != dtype:
+            raise ValueError(f"{name}: expected {dtype} {tuple(param.value.shape)}, got {value.dtype} {value.shape}")
+        param.value = value
+    register_serving_split(model, placement, layers)
+    params = serving_split(model, placement)[1][0]
+    for name in names:  # keep the registered copies, drop the given ones
+        getattr(model, name).value = params[name].value
     return model
 
 

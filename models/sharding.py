@@ -70,7 +70,7 @@ def _reasons(config: ModelConfig, m: int) -> list[str]:
     if c.intermediate_size % m:
         why.append(f"FFN width {c.intermediate_size}")
     if c.num_kv_heads % m and m % c.num_kv_heads:
-        why.append(f"{c.num_kv_heads} kv heads (neither divides the other)")
+        why.append(f"{c.num_kv_heads} kv heads (neither a multiple nor a divisor of {m})")
     return why
 
 
@@ -87,8 +87,8 @@ def plan_layout(config: ModelConfig, model_size: int) -> TensorParallelLayout:
     why = _reasons(config, model_size)
     if why:
         raise ShardingError(
-            f"{config.name} cannot be split over model={model_size}: {', '.join(why)} do not divide "
-            f"{model_size}; valid model sizes: {', '.join(map(str, valid_model_sizes(config)))}")
+            f"{config.name} cannot be split over model={model_size}: {', '.join(why)} cannot be split "
+            f"{model_size} ways; valid model sizes: {', '.join(map(str, valid_model_sizes(config)))}")
     notes = []
     kv_heads = config.num_kv_heads
     if kv_heads < model_size:

@@ -6,6 +6,9 @@ import os
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# 8 host devices for the mesh tests (tests/test_mesh.py); an engine uses only the devices its mesh names
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), "jaxspec-test-xla"))
 
 import jax  # noqa: E402

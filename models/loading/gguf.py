@@ -91,19 +91,48 @@ def read_gguf_metadata(path: GGUFSource, arrays: bool = False) -> dict[str, Any]
 def read_gguf(path: GGUFSource) -> tuple[ModelConfig, StateDict]:
     """Config and dequantised float32 weights (HF names, HF layout) of a llama or qwen2 GGUF file.
 
-    The config is named after the file stem.
+    The config is named after the file stem. Holds the whole model in float32: serving loads use
+    `models.loading.streaming` instead (one tensor at a time).
     """
     reader = open_gguf(path)
     source = str(reader_path(reader))
-    config = _config_from_reader(reader, reader_path(reader).stem, source)
-    state = {_hf_name(t.name, source): _dequantize(t, source) for t in reader.tensors}
+    config = read_gguf_config(reader)
+    tensors = gguf_tensors(reader)
+    state = {name: _dequantize(t, source) for name, t in tensors.items()}
     check_state_dict(config, state, source)
-    if config_arch(reader) == "llama":  # qwen2 files keep HF's row order
-        for name in state:
-            if ".q_proj." in name or ".k_proj." in name:
-                heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
-                state[name] = unpermute_qk(state[name], heads)
-    return config, state
+    arch = config_arch(reader)
+    return config, {name: _hf_row_order(arch, config, name, value) for name, value in state.items()}
+
+
+def read_gguf_config(path: GGUFSource) -> ModelConfig:
+    """The ModelConfig of a GGUF file (named after the file stem), without touching tensor data."""
+    reader = open_gguf(path)
+    return _config_from_reader(reader, reader_path(reader).stem, str(reader_path(reader)))
+
+
+def gguf_tensors(path: GGUFSource) -> dict[str, Any]:
+    """HF name -> the file's (not yet dequantised) tensor; ModelLoadError on a tensor we do not map."""
+    reader = open_gguf(path)
+    source = str(reader_path(reader))
+    return {_hf_name(t.name, source): t for t in reader.tensors}
+
+
+def gguf_tensor_shape(tensor: Any) -> tuple[int, ...]:
+    """A file tensor's shape in numpy (HF) order: GGUF lists dims fastest-first."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+
+
+def read_gguf_tensor(reader: gguf.GGUFReader, config: ModelConfig, name: str, tensor: Any) -> np.ndarray:
+    """One tensor (HF name `name`, from `gguf_tensors`) dequantised to float32 in HF layout and row order."""
+    value = _dequantize(tensor, str(reader_path(reader)))  # [out, in] or [n] float32
+    return _hf_row_order(config_arch(reader), config, name, value)
+
+
+def _hf_row_order(arch: str, config: ModelConfig, name: str, value: np.ndarray) -> np.ndarray:
+    """llama files store Q/K rows permuted for llama.cpp's RoPE; qwen2 files keep HF's row order."""
+    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        return unpermute_qk(value, config.num_heads if ".q_proj." in name else config.num_kv_heads)
+    return value
 
 
 def config_arch(reader: gguf.GGUFReader) -> str:
@@ -146,7 +175,7 @@ def _dequantize(tensor: Any, source: str) -> np.ndarray:
             f"{source}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
             "which the gguf library cannot dequantise"
         ) from None
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    shape = gguf_tensor_shape(tensor)
     if values.size != int(np.prod(shape)):
         raise ModelLoadError(f"{source}: tensor {tensor.name} has {values.size} values, expected shape {shape}")
     array = np.asarray(values, dtype=np.float32).reshape(shape)

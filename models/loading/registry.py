@@ -140,6 +140,12 @@ def load_model(spec: str | None, *, cache_dir: str | Path | None = None) -> Load
     else:
         config, state = read_safetensors_dir(source.path)
         tokenizer = TextTokenizer.from_dir(source.path)
+    return LoadedModel(finish_config(config, tokenizer, source), state, tokenizer, source)
+
+
+def finish_config(config: ModelConfig, tokenizer: TextTokenizer, source: ModelSource) -> ModelConfig:
+    """`config` with every stop id the tokenizer knows, its bos id if the file has none, and a packaged
+    model's name; ModelLoadError when the tokenizer has more ids than the model."""
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(
             f"{source.path}: tokenizer has {tokenizer.vocab_size} ids but the model only {config.vocab_size}"
@@ -149,7 +155,7 @@ def load_model(spec: str | None, *, cache_dir: str | Path | None = None) -> Load
     config = config.replace(eos_token_ids=eos, bos_token_id=bos)
     if source.name in PACKAGED:
         config = config.replace(name=source.name)
-    return LoadedModel(config, state, tokenizer, source)
+    return config
 
 
 def list_models() -> list[ModelEntry]:

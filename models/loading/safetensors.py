@@ -102,26 +102,21 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
 
 
 def read_safetensors_dir(directory: str | os.PathLike[str]) -> tuple[ModelConfig, StateDict]:
-    """Config and float32 weights of a transformers model directory (the config is named after it)."""
-    d = Path(directory)
-    if not d.is_dir():
-        raise ModelLoadError(f"{d}: no such directory" if not d.exists() else f"{d}: not a directory")
-    config = config_from_hf(read_json_object(d / "config.json"), d.name, str(d))
-    generation = d / "generation_config.json"
-    if generation.is_file():
-        extra = read_json_object(generation).get("eos_token_id")
-        extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
-        config = config.replace(eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *map(int, extra)])))
+    """Config and float32 weights of a transformers model directory (the config is named after it).
 
+    Holds the whole model in float32: serving loads use `models.loading.streaming` instead.
+    """
+    d = Path(directory)
+    config = read_safetensors_config(d)
     state: StateDict = {}
-    for path, names in _weight_files(d).items():
+    for path, names in weight_files(d).items():
         try:
             with safe_open(str(path), framework="numpy") as f:
                 present = set(f.keys())
                 for name in names if names is not None else sorted(present):
                     if name not in present:
                         raise ModelLoadError(f"{path}: lacks tensor {name}, which the index places there")
-                    if name.endswith(_IGNORED_SUFFIXES):
+                    if is_ignored_tensor(name):
                         continue
                     state[name] = np.ascontiguousarray(f.get_tensor(name), dtype=np.float32)
         except (SafetensorError, OSError, ValueError, TypeError) as e:
@@ -134,6 +129,25 @@ def read_safetensors_dir(directory: str | os.PathLike[str]) -> tuple[ModelConfig
             raise ModelLoadError(f"{d}: tie_word_embeddings is true but lm_head.weight differs from the embedding")
     check_state_dict(config, state, str(d))
     return config, state
+
+
+def read_safetensors_config(directory: str | os.PathLike[str]) -> ModelConfig:
+    """The ModelConfig of a transformers directory (config.json, plus generation_config.json's stop ids)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise ModelLoadError(f"{d}: no such directory" if not d.exists() else f"{d}: not a directory")
+    config = config_from_hf(read_json_object(d / "config.json"), d.name, str(d))
+    generation = d / "generation_config.json"
+    if generation.is_file():
+        extra = read_json_object(generation).get("eos_token_id")
+        extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
+        config = config.replace(eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *map(int, extra)])))
+    return config
+
+
+def is_ignored_tensor(name: str) -> bool:
+    """Buffers some checkpoints save next to the parameters (derived, not learned)."""
+    return name.endswith(_IGNORED_SUFFIXES)
 
 
 def write_safetensors_dir(
@@ -181,7 +195,7 @@ def write_safetensors_dir(
         tokenizer.save(d)
 
 
-def _weight_files(d: Path) -> dict[Path, list[str] | None]:
+def weight_files(d: Path) -> dict[Path, list[str] | None]:
     """Safetensors file -> tensor names to take from it (None: all)."""
     if (d / INDEX_FILE).is_file():
         weight_map = read_json_object(d / INDEX_FILE).get("weight_map")

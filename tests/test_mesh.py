@@ -1,0 +1,138 @@
+"""The engine on a device mesh (docs/design.md, "Sharding"), on 8 forced host devices (tests/conftest.py).
+
+Every mesh gives token for token the single-device output — greedy and seeded sampling, for proposers
+none, prompt lookup and draft, over a mixed batch (rows of different lengths, caps and sampling, a slot
+freed and refilled) — and compiles nothing after warm-up. Forced host devices share the same two cores:
+these tests are about correctness only, never speed.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec import compile_counter
+from jaxspec.engine import Engine
+from jaxspec.menu import Menu
+from jaxspec.mesh import MeshSpec
+from jaxspec.proposers.draft_model import DraftModelProposer
+from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.types import SamplingParams
+from models.config import TINY, TINY_DRAFT
+from models.llama import random_model
+from models.sharding import ShardingError
+
+MENU = Menu(num_slots=4, max_len=128, batch_buckets=(1, 4), k_menu=(0, 2, 3), window_buckets=(128,),
+            prefill_buckets=(32,))
+MESHES = [(1, 2), (2, 2), (1, 4), (8, 1)]
+GREEDY, SEEDED = SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+K_SCHEDULE = (2, 0, 3, 2, 0, 3, 3, 2)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = random_model(TINY, seed=3)
+    draft = random_model(TINY_DRAFT.replace(vocab_size=TINY.vocab_size), seed=4)
+    return target, draft
+
+
+def _proposer(name: str, draft):
+    return {"none": lambda: None, "ngram": lambda: PromptLookupProposer(1, 3),
+            "draft": lambda: DraftModelProposer(draft)}[name]()
+
+
+def _run(models, proposer: str, mesh: tuple[int, int]) -> tuple[list[list[int]], int]:
+    """Drive one engine through a fixed mixed schedule; returns every row's tokens and the compiles
+    after warm-up."""
+    target, draft = models
+    compile_counter.install()
+    engine = Engine(target, _proposer(proposer, draft), MENU, mesh=MeshSpec(*mesh))
+    engine.warmup(progress=False)
+    before = compile_counter.count()
+    rng = np.random.default_rng(0)
+    motif = [int(t) for t in rng.integers(2, TINY.vocab_size, 6)]
+    prompts = {0: motif * 4, 1: [int(t) for t in rng.integers(2, TINY.vocab_size, 37)], 2: motif[:3] * 3}
+    params = {0: GREEDY, 1: SEEDED, 2: GREEDY}
+    out = {slot: [engine.prefill(slot, prompt, params[slot])] for slot, prompt in prompts.items()}
+    for i, k in enumerate(K_SCHEDULE):
+        k = 0 if proposer == "none" else k
+        slots = [0, 1, 2] if i % 3 else [0, 2]  # a smaller batch every third step
+        caps = [k, 1, k][: len(slots)] if len(slots) == 3 else [k, k]
+        result = engine.step(slots, k, caps)
+        for row, slot in enumerate(slots):
+            out[slot] += result.row_tokens(row)
+        if i == 4:  # continuous batching: slot 2 finishes, a new request takes it
+            engine.free(2)
+            out[3] = out.pop(2)
+            out[2] = [engine.prefill(2, motif[::-1] * 2, SEEDED)]
+    return [out[s] for s in sorted(out)], compile_counter.count() - before
+
+
+@pytest.fixture(scope="module")
+def single_device(models):
+    return {name: _run(models, name, (1, 1))[0] for name in ("none", "ngram", "draft")}
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"data{m[0]}-model{m[1]}")
+@pytest.mark.parametrize("proposer", ["none", "ngram", "draft"])
+def test_mesh_output_equals_single_device(models, single_device, proposer, mesh):
+    tokens, compiles = _run(models, proposer, mesh)
+    assert tokens == single_device[proposer]
+    assert compiles == 0
+
+
+def test_weights_and_cache_carry_the_designed_shardings(models):
+    """data=2, model=2 on the tiny model (N=4 query heads, G=2 kv heads, F=64, V=64): column-parallel
+    QKV and gate/up, row-parallel output and down projections, vocabulary-split embedding, cache
+    slots over data and kv heads over model; the draft is replicated."""
+    target, draft = models
+    engine = Engine(target, DraftModelProposer(draft), MENU, mesh=MeshSpec(2, 2))
+    embed_and_head, layers = engine.placed_weights()
+    c = TINY
+    per_device = {name: value.sharding.shard_shape(value.shape) for name, value in layers[0].items()}
+    assert per_device["wqkv"] == (c.hidden_size, 1, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim // 2)
+    assert per_device["w_gate_up"] == (c.hidden_size, 1, c.intermediate_size)  # 2F / P per group, one group
+    assert per_device["wo"] == (c.num_heads // 2, c.head_dim, c.hidden_size)
+    assert per_device["w_down"] == (c.intermediate_size // 2, c.hidden_size)
+    assert per_device["attn_norm"] == (c.hidden_size,)
+    embed = embed_and_head["embed"]
+    assert embed.sharding.shard_shape(embed.shape) == (c.vocab_size // 2, c.hidden_size)
+    cache = engine.state.cache.k[0]
+    slot_rows = cache.shape[0]
+    assert slot_rows % 2 == 0 and slot_rows >= MENU.num_slots + 1  # S + scratch, padded to the data axis
+    assert cache.sharding.shard_shape(cache.shape) == (slot_rows // 2, MENU.max_len, c.num_kv_heads // 2, c.head_dim)
+    draft_cache = engine.state.proposer.k[0]
+    assert draft_cache.sharding.shard_shape(draft_cache.shape)[2:] == draft_cache.shape[2:]  # heads replicated
+    for leaf in jax.tree.leaves(engine.proposer.params(engine.replicated_placement)):
+        assert leaf.sharding.is_fully_replicated
+
+
+def test_kv_heads_fewer_than_model_are_repeated(models):
+    """model=4 > G=2: each kv head is stored twice, so every device holds one (and says so)."""
+    engine = Engine(models[0], None, MENU, mesh=MeshSpec(1, 4))
+    cache = engine.state.cache.k[0]
+    assert cache.shape[2] == 4 and cache.sharding.shard_shape(cache.shape)[2] == 1
+    assert any("kv heads repeated" in note for note in engine.sharding_notes)
+
+
+def test_a_mesh_that_does_not_divide_is_refused_with_the_valid_sizes(models):
+    with pytest.raises(ShardingError, match=r"4 query heads.*valid model sizes: 1, 2, 4"):
+        Engine(models[0], None, MENU, mesh=MeshSpec(1, 8))
+
+
+def test_a_mesh_larger_than_the_devices_is_refused():
+    with pytest.raises(ValueError, match=r"needs 16 devices, but 8 cpu device\(s\) are visible"):
+        Engine(random_model(TINY, seed=0), None, MENU, mesh=MeshSpec(4, 4))
+
+
+@pytest.mark.parametrize("text, spec", [("data=2,model=4", MeshSpec(2, 4)), ("model=3", MeshSpec(1, 3)),
+                                        (" data=8 ", MeshSpec(8, 1))])
+def test_mesh_flag_parses(text, spec):
+    assert MeshSpec.parse(text) == spec
+
+
+@pytest.mark.parametrize("text", ["data=0", "model=x", "tensor=2", "data=1,data=2", "2,4"])
+def test_bad_mesh_flag_is_one_clear_error(text):
+    with pytest.raises(ValueError, match="mesh"):
+        MeshSpec.parse(text)
