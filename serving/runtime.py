@@ -86,6 +86,8 @@ def assemble_engine(engine_args: EngineArgs, menu: Menu,
                                                  stop_strings_allowed=True))
     proposer = build_proposer(engine_args.proposer, built.model, engine_args.draft, ngram=engine_args.ngram, mesh=mesh)
     engine = Engine(built.model, proposer, menu, mesh=mesh)
+    if mesh.size > 1:
+        print(f"mesh {mesh}: {mesh.size} {engine.mesh.devices.flat[0].platform} devices", file=sys.stderr)
     for note in engine.sharding_notes:  # what was replicated or padded to fit the mesh (models.sharding)
         print(f"mesh {mesh}: {note}", file=sys.stderr)
     return engine, tokenizer, built.name

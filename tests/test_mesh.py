@@ -43,20 +43,23 @@ def _proposer(name: str, draft):
 
 
 def _run(models, proposer: str, mesh: tuple[int, int]) -> tuple[list[list[int]], int]:
+    target, draft = models
+    return _drive(Engine(target, _proposer(proposer, draft), MENU, mesh=MeshSpec(*mesh)), speculate=proposer != "none")
+
+
+def _drive(engine: Engine, speculate: bool, schedule=K_SCHEDULE) -> tuple[list[list[int]], int]:
     """Drive one engine through a fixed mixed schedule; returns every row's tokens and the compiles
     after warm-up."""
-    target, draft = models
     compile_counter.install()
-    engine = Engine(target, _proposer(proposer, draft), MENU, mesh=MeshSpec(*mesh))
     engine.warmup(progress=False)
     before = compile_counter.count()
     rng = np.random.default_rng(0)
-    motif = [int(t) for t in rng.integers(2, TINY.vocab_size, 6)]
-    prompts = {0: motif * 4, 1: [int(t) for t in rng.integers(2, TINY.vocab_size, 37)], 2: motif[:3] * 3}
+    motif = [int(t) for t in rng.integers(2, engine.vocab_size, 6)]
+    prompts = {0: motif * 4, 1: [int(t) for t in rng.integers(2, engine.vocab_size, 37)], 2: motif[:3] * 3}
     params = {0: GREEDY, 1: SEEDED, 2: GREEDY}
     out = {slot: [engine.prefill(slot, prompt, params[slot])] for slot, prompt in prompts.items()}
-    for i, k in enumerate(K_SCHEDULE):
-        k = 0 if proposer == "none" else k
+    for i, k in enumerate(schedule):
+        k = k if speculate else 0
         slots = [0, 1, 2] if i % 3 else [0, 2]  # a smaller batch every third step
         caps = [k, 1, k][: len(slots)] if len(slots) == 3 else [k, k]
         result = engine.step(slots, k, caps)
@@ -136,3 +139,25 @@ def test_mesh_flag_parses(text, spec):
 def test_bad_mesh_flag_is_one_clear_error(text):
     with pytest.raises(ValueError, match="mesh"):
         MeshSpec.parse(text)
+
+
+@pytest.mark.slow
+def test_real_smollm2_on_model_3_equals_one_device():
+    """The real default model (9 query heads, 3 kv heads) tensor parallel over 3 devices, with prompt
+    lookup and the shipped draft (the k = 0 steps of the schedule are plain decoding): the same tokens,
+    nothing compiled after warm-up."""
+    from jaxspec.build import build_model, build_proposer
+
+    menu = Menu(num_slots=4, max_len=256, batch_buckets=(4,), k_menu=(0, 2), window_buckets=(256,),
+                prefill_buckets=(64,))
+    schedule = (2, 0, 2, 2, 0, 2, 2, 2)
+    outputs = {}
+    for mesh in (MeshSpec(), MeshSpec(1, 3)):
+        target = build_model(None, mesh=mesh).model
+        for proposer in ("ngram", "draft"):
+            engine = Engine(target, build_proposer(proposer, target, "default", mesh=mesh), menu, mesh=mesh)
+            outputs[mesh, proposer] = _drive(engine, speculate=True, schedule=schedule)
+    for proposer in ("ngram", "draft"):
+        (single, _), (sharded, compiles) = outputs[MeshSpec(), proposer], outputs[MeshSpec(1, 3), proposer]
+        assert sharded == single, proposer
+        assert compiles == 0, proposer
