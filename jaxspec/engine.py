@@ -325,6 +325,10 @@ class Engine:
                 raise RuntimeError(f"compiling {key} failed: {exc}") from exc
         return len(keys)
 
+    def compiled_text(self, key: ShapeKey) -> str:
+        """The optimised HLO of a warmed-up shape (what runs on the device, collectives included)."""
+        return self._executable(key).as_text()
+
     def _executable(self, key: ShapeKey) -> Callable:
         try:
             return self._executables[key]

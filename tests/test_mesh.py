@@ -161,3 +161,17 @@ def test_real_smollm2_on_model_3_equals_one_device():
         (single, _), (sharded, compiles) = outputs[MeshSpec(), proposer], outputs[MeshSpec(1, 3), proposer]
         assert sharded == single, proposer
         assert compiles == 0, proposer
+
+
+def test_tensor_parallel_step_has_one_all_reduce_after_attention_and_one_after_the_mlp(models):
+    """The compiled k = 0 step on model=2 (Megatron-style): 2 all-reduces of the [B, T, D] activations per
+    layer, plus one for the vocabulary-split embedding lookup; nothing else communicates activations
+    (sampling's own gathers of the logits sit in its branch for sampled rows)."""
+    from jaxspec.menu import StepKey
+
+    engine = Engine(models[0], None, MENU, mesh=MeshSpec(1, 2))
+    engine.warmup([StepKey(4, 0, 128)], progress=False)
+    hlo = engine.compiled_text(StepKey(4, 0, 128))
+    activations = f"f32[4,1,{TINY.hidden_size}]"
+    all_reduces = [line for line in hlo.splitlines() if " all-reduce(" in line and f"= {activations}" in line]
+    assert len(all_reduces) == 2 * TINY.num_layers + 1, "\n".join(all_reduces)
