@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: the test suite and the quick benchmark with JAX on a GPU, results into a folder.
 #
-#   benchmarks/gpu_check.sh "$OUT"          (≤ 8 minutes on one GPU; no checkpoint files needed)
+#   benchmarks/gpu_check.sh "$OUT"          (≤ 8 minutes; no checkpoint files needed)
 #
 # Needs a CUDA build of JAX in the environment (pip install -U "jax[cuda12]"); set PYTHON to
 # choose the interpreter (default: python). Random weights of the real configs (SmolLM2-135M,
@@ -31,16 +31,16 @@ assert devices[0].platform == "gpu", f"expected a GPU, got {devices[0].platform}
 PYEOF
 cat "$OUT/device.txt"
 
-# 1) the test suite (tiny models; fp32 parity tests keep their own dtype), ≤ 150 s
-timeout 150 "$PY" -m pytest -q -x -m "not slow" --junitxml="$OUT/pytest.xml" tests > "$OUT/pytest.log" 2>&1
+# 1) the test suite (tiny models; fp32 parity tests keep their own dtype; the mesh tests need 8 devices), ≤ 120 s
+timeout 120 "$PY" -m pytest -q -x -m "not slow" --junitxml="$OUT/pytest.xml" tests > "$OUT/pytest.log" 2>&1
 rc=$?; echo "pytest rc=$rc (log: $OUT/pytest.log)"; [ $rc -eq 0 ] || status=1
 tail -n 3 "$OUT/pytest.log"
 
 # 2) the quick benchmark on random weights of the real configs in bf16: one process per preset with
-#    its own limit (≈ 100 s each, ≤ 300 s in all); partial records are saved after every point.
+#    its own limit (≈ 75 s each, ≤ 225 s in all); partial records are saved after every point.
 #    Lean menu (k ∈ {0,1,3,5}, batch ≤ 8, one attention window) so compiling the 7B shapes fits.
 for preset in smollm2-135m qwen2.5-1.5b llama-7b-shaped; do
-  timeout "${PRESET_LIMIT_S:-100}" "$PY" -m benchmarks.gpu_bench --presets "$preset" --dtype bfloat16 \
+  timeout "${PRESET_LIMIT_S:-75}" "$PY" -m benchmarks.gpu_bench --presets "$preset" --dtype bfloat16 \
     --alpha "$ALPHA" --draft "$DRAFT" --requests 8 --max-tokens 64 --max-prompt-tokens 160 --capacity 8 \
     --k-menu 0,1,3,5 --fractions 0.3,1.2 --workloads chat,summarization,qa,sql,code \
     --policies none,fixed:1,fixed:3,fixed:5,goodput --out "$OUT/gpu_bench/$preset" > "$OUT/gpu_bench_$preset.log" 2>&1
@@ -49,4 +49,15 @@ for preset in smollm2-135m qwen2.5-1.5b llama-7b-shaped; do
   tail -n 12 "$OUT/gpu_bench_$preset.log"
 done
 ls -la "$OUT"/gpu_bench/* 2>/dev/null
+
+# 3) the mesh path (docs/design.md, "Sharding"), ≤ 100 s: Qwen2.5-1.5B-shaped random weights in bf16 on
+#    data=1,model=1 and, with several GPUs, tensor parallel over 2 (and 4): greedy tokens equal the first
+#    mesh's, decode at B = 1 and B = 16 as a fraction of HBM bandwidth (PEAK_GBS, H200: 4800 GB/s)
+NGPU=$("$PY" -c "import jax; print(len(jax.devices()))" 2>/dev/null || echo 1)
+MESHES="1x1"; [ "$NGPU" -ge 2 ] && MESHES="$MESHES,1x2"; [ "$NGPU" -ge 4 ] && MESHES="$MESHES,1x4"
+timeout "${MESH_LIMIT_S:-100}" "$PY" -m benchmarks.mesh_bench --model qwen2.5-1.5b --dtype bfloat16 \
+  --meshes "$MESHES" --batch 16 --peak-gbs "${PEAK_GBS:-4800}" --quiet --json "$OUT/mesh_bench.json" \
+  > "$OUT/mesh_bench.log" 2>&1
+rc=$?; echo "mesh_bench ($MESHES on $NGPU GPUs) rc=$rc"; [ $rc -eq 0 ] || status=1
+tail -n 6 "$OUT/mesh_bench.log"
 exit $status

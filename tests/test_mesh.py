@@ -23,6 +23,8 @@ from models.config import TINY, TINY_DRAFT
 from models.llama import random_model
 from models.sharding import ShardingError
 
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (tests/conftest.py forces 8 on CPU)")
+
 MENU = Menu(num_slots=4, max_len=128, batch_buckets=(1, 4), k_menu=(0, 2, 3), window_buckets=(128,),
             prefill_buckets=(32,))
 MESHES = [(1, 2), (2, 2), (1, 4), (8, 1)]
