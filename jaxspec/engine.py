@@ -1,7 +1,9 @@
 """The compiled JAX engine: prefill / step over a precompiled static-shape menu.
 
 It satisfies the engine contract (`jaxspec.engine_api.EngineAPI`; docs/design.md, "The engine
-contract" and "The speculative step").
+contract" and "The speculative step"). It runs on one device or a mesh (docs/design.md, "Sharding"):
+the target tensor parallel over `model`, the proposer replicated, KV caches split by slot over `data`,
+every executable compiled with explicit input and output shardings.
 
 Static (one executable each): batch bucket B, speculation length k, attention window W,
 prefill chunk C. Traced: slot ids, lengths, per-row k caps, sampling parameters, seeds.

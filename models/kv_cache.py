@@ -11,6 +11,9 @@ Layout (one array per layer for keys, one for values)::
 
     lengths[S+1]  committed tokens per slot; positions ≥ length are garbage.
 
+On a mesh the engine pads the slot rows to S' (a multiple of the `data` axis; the extra rows are never
+used) and splits them over `data` (docs/design.md, "Sharding").
+
 A forward of T tokens for row b writes positions [start_b, start_b + T) of its slot; accepting
 only some of them is just setting `lengths[slot]` (no copy). Attention reads a static window
 `[0, W)` of each row's slot and masks by length and the intra-step mask, never by "non-zero".
