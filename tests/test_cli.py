@@ -33,6 +33,12 @@ def jaxspec(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     (("generate", "hi", "--proposer", "ngram", "--policy", "fixed:x"), "fixed:K"),
     (("generate", "hi", "--policy", "goodput"), "needs a proposer"),
     (("generate", "hi", "--menu", "missing.yaml"), "does not exist"),
+    (("generate", "hi", "--mesh", "data=0"), "mesh axis data must be a positive integer"),
+    (("generate", "hi", "--mesh", "tensor=2"), "expected data=D,model=M"),
+    (("generate", "hi", "--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--mesh", "model=3"),
+     "valid model sizes: 1, 2, 4"),
+    (("generate", "hi", "--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--mesh", "data=4,model=4"),
+     "needs 16 devices"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message):
     result = jaxspec(*argv)
@@ -132,3 +138,26 @@ def test_engine_args_from_flags():
                          (dict(tokenizer="sentencepiece"), "unknown tokenizer"), (dict(ngram=(0, 2)), "ngram")):
         with pytest.raises(ValueError, match=message):
             EngineArgs(**bad)
+
+
+def test_generate_on_a_mesh_prints_the_same_tokens(tmp_path):
+    """--mesh data=2,model=2 (8 forced host devices, tests/conftest.py) and the engine config's `mesh:` key
+    give the single-device tokens; --mesh overrides the config."""
+    base = ("generate", "hello mesh", "--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--max-tokens",
+            "12", "--json")
+    single = jaxspec(*base)
+    sharded = jaxspec(*base, "--mesh", "data=2,model=2")
+    assert single.returncode == 0 and sharded.returncode == 0, single.stderr + sharded.stderr
+    assert json.loads(sharded.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
+    assert "mesh data=2,model=2: 4 cpu devices" in sharded.stderr
+    from jaxspec.build import load_mesh, load_menu
+
+    config = tmp_path / "menu.yaml"
+    config.write_text("num_slots: 8\nmax_len: 128\nbatch_buckets: [1]\nk_menu: [0]\nwindow_buckets: [128]\n"
+                      "prefill_buckets: [32]\nmesh: {data: 1, model: 2}\n")
+    assert str(load_mesh(str(config))) == "data=1,model=2" and load_menu(str(config)).num_slots == 8
+    assert str(EngineArgs(menu=str(config), mesh="model=4").mesh_spec()) == "data=1,model=4"
+    from_config = jaxspec(*base[:7], str(config), *base[8:])
+    assert from_config.returncode == 0, from_config.stderr
+    assert json.loads(from_config.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
+    assert "mesh data=1,model=2: 2 cpu devices" in from_config.stderr
