@@ -140,6 +140,8 @@ class Placement:
         shards its devices hold (works unchanged with several processes)."""
         if self.mesh is None:
             return jax.numpy.asarray(value)
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:  # already global: reshard it
+            return jax.device_put(value, NamedSharding(self.mesh, spec))
         host = np.asarray(value)
         return jax.make_array_from_callback(host.shape, NamedSharding(self.mesh, spec), lambda idx: host[idx])
 
