@@ -1,7 +1,9 @@
 """Model loading: GGUF / safetensors / orbax checkpoints into HF-layout float32 numpy weights.
 
 Every loader returns `(ModelConfig, dict[str, np.ndarray])` with transformers' parameter names
-(see `layout.expected_shapes`) and raises `ModelLoadError` on any failure.
+(see `layout.expected_shapes`) and raises `ModelLoadError` on any failure. Those hold the whole model
+in float32; serving loads go through `models.loading.streaming.stream_model` instead (tensor by
+tensor into the placed serving layout; not imported here, it needs the model code).
 """
 
 from models.loading.checkpoints import is_converted_dir, load_converted, save_converted

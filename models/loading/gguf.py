@@ -39,6 +39,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Values dequantised at a time (a block of rows of one tensor).
+_BLOCK_VALUES = 1 << 22
 
 
 GGUFSource = str | os.PathLike[str] | gguf.GGUFReader
@@ -168,20 +170,32 @@ def _hf_name(name: str, source: str) -> str:
 
 
 def _dequantize(tensor: Any, source: str) -> np.ndarray:
-    try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError:
-        raise ModelLoadError(
-            f"{source}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
-            "which the gguf library cannot dequantise"
-        ) from None
+    """A file tensor as float32 in numpy (HF) shape, dequantised in blocks of rows.
+
+    Blocks bound the library's temporaries (several arrays of the block's size) to about
+    `_BLOCK_VALUES` values instead of a multiple of the whole tensor.
+    """
     shape = gguf_tensor_shape(tensor)
-    if values.size != int(np.prod(shape)):
-        raise ModelLoadError(f"{source}: tensor {tensor.name} has {values.size} values, expected shape {shape}")
-    array = np.asarray(values, dtype=np.float32).reshape(shape)
-    if np.may_share_memory(array, tensor.data):
-        array = array.copy()  # F32 tensors are views into the memory-mapped file
-    return array
+    data = tensor.data  # quantised: uint8 [rows, row bytes]; F32 / F16: [rows, cols] or [n]
+    out = np.empty(shape, np.float32)  # [out, in] or [n]
+    row_values = int(np.prod(shape[1:]))
+    blocked = len(shape) == 2 and data.ndim == 2 and data.shape[0] == shape[0]
+    step = max(1, _BLOCK_VALUES // max(1, row_values)) if blocked else max(1, shape[0])
+    for start in range(0, shape[0] if shape else 1, step):
+        part = data[start:start + step] if blocked else data
+        try:
+            values = gguf.quants.dequantize(part, tensor.tensor_type)  # [rows in block, in] (or flat)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"{source}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
+                "which the gguf library cannot dequantise"
+            ) from None
+        target = out[start:start + step] if blocked else out
+        if values.size != target.size:
+            raise ModelLoadError(f"{source}: tensor {tensor.name} has {values.size} values where {target.size} "
+                                 f"were expected (shape {shape})")
+        target[...] = np.asarray(values, dtype=np.float32).reshape(target.shape)  # copies out of the mapped file
+    return out
 
 
 def _int_field(reader: gguf.GGUFReader, key: str, source: str, default: int | None = None) -> int:
