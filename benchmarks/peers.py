@@ -181,7 +181,6 @@ def run_peers(model_spec: str | None, built, n_prompts: int = 3, n_tokens: int =
     """The peer table (module doc). Needs a GGUF model (HF loads the same file)."""
     import jax
     import torch
-    from flax import nnx
     from transformers import AutoModelForCausalLM
 
     from benchmarks.common import measured_bandwidth_gbs
@@ -233,7 +232,7 @@ def run_peers(model_spec: str | None, built, n_prompts: int = 3, n_tokens: int =
         rows[label] = {"hf_tokens_per_s": total / hf_s, "jaxspec_tokens_per_s": total / ours_s,
                        "speedup_vs_hf": hf_s / ours_s, "outputs_equal": ours == hf_out,
                        "equal_prompts": sum(a == b for a, b in zip(ours, hf_out)), "prompts": len(prompts)}
-    leaves = jax.tree.leaves(nnx.state(built.model))
+    leaves = jax.tree.leaves(plain.placed_weights())  # the serving weights (a streamed model keeps no others)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
     bandwidth = measured_bandwidth_gbs(leaves)
     rows["floor"] = {"weight_mb_fp32": weight_bytes / 1e6, "bandwidth_gbs": bandwidth,

@@ -29,7 +29,7 @@ PROPOSERS = ("none", "draft", "ngram")
 
 
 def model_cache_dir() -> str:
-    """Where converted checkpoints go (GGUF is dequantised once, then reloaded fast)."""
+    """Where `jaxspec models convert` and the opt-in real pair put files (serving streams GGUF directly)."""
     return os.environ.get("JAXSPEC_MODEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxspec", "models"))
 
 
