@@ -159,6 +159,11 @@ def test_real_smollm2_on_model_3_equals_one_device():
         for proposer in ("ngram", "draft"):
             engine = Engine(target, build_proposer(proposer, target, "default", mesh=mesh), menu, mesh=mesh)
             outputs[mesh, proposer] = _drive(engine, speculate=True, schedule=schedule)
+        if mesh.model == 3:  # the placed (streamed) weights carry the designed shardings
+            _, layers = engine.placed_weights()
+            wqkv, cache = layers[0]["wqkv"], engine.state.cache.k[0]
+            assert wqkv.sharding.shard_shape(wqkv.shape) == (576, 1, 5 * 64)  # 3 query + 1 key + 1 value head
+            assert cache.sharding.shard_shape(cache.shape)[2] == 1  # one of the 3 kv heads per device
     for proposer in ("ngram", "draft"):
         (single, _), (sharded, compiles) = outputs[MeshSpec(), proposer], outputs[MeshSpec(1, 3), proposer]
         assert sharded == single, proposer
