@@ -1,22 +1,35 @@
-"""`jaxspec batch`: the batch job's flags plus the shared engine flags, wired to the runtime."""
+"""`jaxspec batch`: the batch job's flags plus the shared engine flags, wired to the runtime.
+
+Multi-process (docs/multiprocess.md): process 0 runs the job (reads the input, writes the output); the
+others mirror its engine calls."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
+from jaxspec import distributed
 from jaxspec.engine_args import EngineArgs
 from serving import batch_job
-from serving.runtime import build_runtime
+from serving.runtime import build_runtime, follow_runtime
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     batch_job.add_arguments(parser)
     EngineArgs.add_arguments(parser, default_menu="default")
+    distributed.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    spec = distributed.DistributedSpec.from_args(args)
+    engine_args = EngineArgs.from_namespace(args)
+    link = distributed.initialize(spec)
+    if isinstance(link, distributed.FollowerLink):
+        return follow_runtime(engine_args, link)
+
     def build(a: argparse.Namespace):
-        runtime = build_runtime(EngineArgs.from_namespace(a), progress=not a.no_progress)
+        runtime = build_runtime(engine_args, progress=not a.no_progress, leader=link)
         return runtime.engine, runtime.tokenizer, runtime.policy
 
-    return batch_job.run(args, build)
+    with link or contextlib.nullcontext():
+        return batch_job.run(args, build)

@@ -1,17 +1,21 @@
-"""`jaxspec generate PROMPT`: one request through the scheduler, streamed to stdout."""
+"""`jaxspec generate PROMPT`: one request through the scheduler, streamed to stdout.
+
+Multi-process (docs/multiprocess.md): process 0 runs the request; the others mirror its engine calls."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 
+from jaxspec import distributed
 from jaxspec.engine_args import EngineArgs
 from jaxspec.requests import InvalidRequestError, Request, RequestLimits, validate_request
 from jaxspec.scheduler import Scheduler
 from jaxspec.types import SamplingParams
-from serving.runtime import build_runtime
+from serving.runtime import build_runtime, follow_runtime
 
 REQUEST_ID = "generate"
 
@@ -28,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, token ids, stats) instead of streaming text")
+    distributed.add_arguments(parser)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -43,6 +48,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty")
     engine_args = EngineArgs.from_namespace(args)
     params = sampling_params(args)
+    link = distributed.initialize(distributed.DistributedSpec.from_args(args))
+    if isinstance(link, distributed.FollowerLink):
+        return follow_runtime(engine_args, link)
+    with link or contextlib.nullcontext():
+        return _generate(args, engine_args, params, link)
+
+
+def _generate(args: argparse.Namespace, engine_args: EngineArgs, params: SamplingParams,
+              leader: distributed.LeaderLink | None) -> int:
     start = time.perf_counter()
     requests: list[Request] = []
 
@@ -55,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(str(exc).removeprefix(f"request {REQUEST_ID!r}: ")) from None
         requests.append(request)
 
-    runtime = build_runtime(engine_args, progress=True, before_warmup=tokenize_and_check)
+    runtime = build_runtime(engine_args, progress=True, before_warmup=tokenize_and_check, leader=leader)
     scheduler = Scheduler(runtime.engine, runtime.policy, runtime.tokenizer)
     ready = time.perf_counter()
     handle = scheduler.submit(requests[0])

@@ -1,5 +1,6 @@
 """The warmed-up runtime behind `generate`, `batch`, `serve` and `bench`: engine, tokenizer and policy
-built from `EngineArgs` (jaxspec.engine_args)."""
+built from `EngineArgs` (jaxspec.engine_args). In a multi-process run (jaxspec.distributed) process 0 builds
+it around a `LeaderEngine` and the others build the same engine and `follow_runtime`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 
 from jaxspec import compile_counter
 from jaxspec.build import build_model, build_proposer, load_menu
+from jaxspec.distributed import FollowerLink, LeaderEngine, LeaderLink, follow
 from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.engine_api import EngineAPI
 from jaxspec.engine_args import EngineArgs
 from jaxspec.menu import Menu
 from jaxspec.policy.base import Policy
@@ -22,9 +25,10 @@ TokenizerLike = Any  # encode / token_bytes / eos_token_ids / apply_chat_templat
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
-    """A warmed-up engine with its tokenizer and speculation policy."""
+    """A warmed-up engine (a `LeaderEngine` on process 0 of a multi-process run) with its tokenizer and
+    speculation policy."""
 
-    engine: Engine
+    engine: EngineAPI
     tokenizer: TokenizerLike
     policy: Policy
     model_name: str
@@ -49,7 +53,7 @@ def menu_for(spec: PolicySpec, menu: Menu) -> Menu:
     return menu.replace(k_menu=spec.k_values(menu.k_menu))
 
 
-def build_policy(spec: PolicySpec | str, engine: Engine | None = None, progress: bool = True) -> Policy:
+def build_policy(spec: PolicySpec | str, engine: EngineAPI | None = None, progress: bool = True) -> Policy:
     """The policy named by `spec`; goodput policies load (or measure) the engine's cost profile."""
     from jaxspec.policy.registry import load_defaults, make_policy
 
@@ -94,11 +98,13 @@ def assemble_engine(engine_args: EngineArgs, menu: Menu,
 
 
 def build_runtime(engine_args: EngineArgs, progress: bool = True, before_warmup: InputCheck | None = None,
-                  **menu_overrides) -> Runtime:
+                  leader: LeaderLink | None = None, **menu_overrides) -> Runtime:
     """Load the model, build proposer + menu, compile the menu ahead of time, build the policy.
 
     `before_warmup(tokenizer, limits)` may validate user input against the engine's request limits
     (jaxspec.requests.validate_request) before the draft loads and the minutes of compilation start.
+    `leader`: process 0 of a multi-process run; warm-up, profiling and every later engine call are mirrored
+    on the other processes (`follow_runtime`).
     """
     enable_compilation_cache()
     compile_counter.install()
@@ -107,7 +113,22 @@ def build_runtime(engine_args: EngineArgs, progress: bool = True, before_warmup:
     early_policy = None
     if not spec.needs_cost_model:
         early_policy = build_policy(spec)  # bad specs fail before loading anything
-    engine, tokenizer, model_name = assemble_engine(engine_args, menu, before_warmup)
+    local, tokenizer, model_name = assemble_engine(engine_args, menu, before_warmup)
+    engine: EngineAPI = local if leader is None else LeaderEngine(local, leader)
     engine.warmup(progress=progress)
     policy = early_policy or build_policy(spec, engine=engine, progress=progress)
     return Runtime(engine, tokenizer, policy, model_name)
+
+
+def follow_runtime(engine_args: EngineArgs, link: FollowerLink, **menu_overrides) -> int:
+    """A process other than 0 of a multi-process run: build the engine `build_runtime` builds on process 0
+    (same flags, same menu), then make every engine call process 0 sends (jaxspec.distributed.follow).
+    Returns the exit code."""
+    try:
+        enable_compilation_cache()
+        compile_counter.install()
+        menu = menu_for(engine_args.policy_spec(), load_menu(engine_args.menu, **menu_overrides))
+        engine, _, _ = assemble_engine(engine_args, menu)
+    except Exception as exc:  # noqa: BLE001 - reported to process 0, which then exits too
+        link.fail(f"building the engine failed: {type(exc).__name__}: {exc}")
+    return follow(engine, link)

@@ -1,15 +1,19 @@
 """`jaxspec serve`: its flags, building the server a ServeConfig names, and the process lifecycle
-(signals, drain, exit codes). The service itself is serving.service.GenerationServer."""
+(signals, drain, exit codes). The service itself is serving.service.GenerationServer.
+
+Multi-process (docs/multiprocess.md): process 0 serves; the others mirror its engine calls until it stops."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
 import threading
 from collections.abc import Callable
 
+from jaxspec import distributed
 from jaxspec.engine_args import EngineArgs
 from serving.auth import TOKEN_ENV, resolve_token
 from serving.serve_config import DEFAULT_CONFIG, ServeConfig, load_serve_config
@@ -21,11 +25,13 @@ log = logging.getLogger(__name__)
 ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer", "dtype", "mesh")
 
 
-def build_server(config: ServeConfig, progress: bool = True) -> GenerationServer:
+def build_server(config: ServeConfig, progress: bool = True,
+                 leader: distributed.LeaderLink | None = None) -> GenerationServer:
     """The engine (jaxspec.build), tokenizer and policy a ServeConfig names, as an unstarted server.
-    Policy defaults and menu trimming are those of every engine command (serving.runtime)."""
+    Policy defaults and menu trimming are those of every engine command (serving.runtime). `leader`:
+    process 0 of a multi-process run (its engine calls are mirrored on the others)."""
     from jaxspec.build import load_menu
-    from jaxspec.engine import Engine
+    from jaxspec.engine_api import EngineAPI
     from jaxspec.policy.base import Policy
     from serving.runtime import assemble_engine, build_policy, menu_for
 
@@ -34,11 +40,12 @@ def build_server(config: ServeConfig, progress: bool = True) -> GenerationServer
     menu = menu_for(spec, load_menu(engine_args.menu))  # only the k values the policy can pick
     policy: Policy | PolicyFactory
     if spec.needs_cost_model:
-        def policy(warm: Engine) -> Policy:  # needs the warmed-up engine: loads or measures its cost profile
+        def policy(warm: EngineAPI) -> Policy:  # needs the warmed-up engine: loads or measures its cost profile
             return build_policy(spec, engine=warm, progress=progress)
     else:
         policy = build_policy(spec)  # a bad spec fails before the model loads
-    engine, tokenizer, model_name = assemble_engine(engine_args, menu)
+    local, tokenizer, model_name = assemble_engine(engine_args, menu)
+    engine = local if leader is None else distributed.LeaderEngine(local, leader)
     return GenerationServer(engine, tokenizer, policy, config, model_name=model_name, progress=progress)
 
 
@@ -63,6 +70,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-token-file", default=None, metavar="FILE",
                         help=f"read the bearer token from FILE (surrounding whitespace stripped); without either "
                         f"flag, ${TOKEN_ENV} is used when set")
+    distributed.add_arguments(parser)
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -76,15 +84,27 @@ def run_serve(args: argparse.Namespace, build: Callable[[ServeConfig], Generatio
     """`jaxspec serve`: build, warm up, serve until SIGTERM / SIGINT, drain. Returns the exit code: 0
     when every in-flight request finished, 1 when some were dropped (a second signal, or
     drain_timeout_s), 2 for bad input or configuration."""
-    from jaxspec.engine import enable_compilation_cache
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = serve_config_from_args(args)
+        spec = distributed.DistributedSpec.from_args(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"jaxspec serve: {exc}", file=sys.stderr)
         return 2
+    link = distributed.initialize(spec)
+    if isinstance(link, distributed.FollowerLink):
+        from serving.runtime import follow_runtime
+
+        return follow_runtime(config.engine_args(), link)
+    with link or contextlib.nullcontext():
+        return _serve(config, build, link)
+
+
+def _serve(config: ServeConfig, build: Callable[..., GenerationServer], leader: distributed.LeaderLink | None) -> int:
+    from jaxspec.engine import enable_compilation_cache
+
     enable_compilation_cache()
     stop = threading.Event()
     server: GenerationServer | None = None
@@ -99,7 +119,7 @@ def run_serve(args: argparse.Namespace, build: Callable[[ServeConfig], Generatio
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
-            server = build(config)
+            server = build(config) if leader is None else build(config, leader=leader)
             server.start()
         except (ValueError, OSError, KeyError) as exc:
             print(f"jaxspec serve: {exc}", file=sys.stderr)

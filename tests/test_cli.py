@@ -150,7 +150,7 @@ def test_generate_on_a_mesh_prints_the_same_tokens(tmp_path):
     assert single.returncode == 0 and sharded.returncode == 0, single.stderr + sharded.stderr
     assert json.loads(sharded.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
     assert "mesh data=2,model=2: 4 cpu devices" in sharded.stderr
-    from jaxspec.build import load_mesh, load_menu
+    from jaxspec.build import load_menu, load_mesh
 
     config = tmp_path / "menu.yaml"
     config.write_text("num_slots: 8\nmax_len: 128\nbatch_buckets: [1]\nk_menu: [0]\nwindow_buckets: [128]\n"
