@@ -23,7 +23,7 @@ from models.config import ModelConfig
 from models.llama import Llama, from_hf_state_dict, is_serving_only, random_model, to_hf_state_dict
 from models.loading import ModelLoadError, TextTokenizer, resolve_model
 from models.loading.streaming import stream_model, streamed_source
-from models.sharding import Placement, TensorParallelLayout, plan_layout
+from models.sharding import Placement, plan_layout, replicated_layout
 
 PROPOSERS = ("none", "draft", "ngram")
 
@@ -61,7 +61,7 @@ def build_model(spec: str | None, seed: int = 0, dtype: str = "float32", mesh: M
 def _placement(mesh: MeshSpec, tensor_parallel: bool) -> Callable[[ModelConfig], Placement]:
     """Where a loaded model's serving weights go: split over `model` (plan_layout) or replicated."""
     if not tensor_parallel:
-        return lambda config: Placement(make_mesh(mesh), TensorParallelLayout())
+        return lambda config: Placement(make_mesh(mesh), replicated_layout(config, mesh.model))
     return lambda config: Placement(make_mesh(mesh), plan_layout(config, mesh.model))
 
 

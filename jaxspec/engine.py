@@ -42,7 +42,7 @@ from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, St
 from jaxspec.verify import RESIDUAL_KEY, verify
 from models.kv_cache import init_cache
 from models.llama import Llama, chain_inputs, serving_split
-from models.sharding import Placement, cache_spec, padded_slots, plan_layout
+from models.sharding import Placement, cache_spec, padded_slots, plan_layout, replicated_layout
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -131,8 +131,9 @@ class Engine:
         self._cache_config = target.config.replace(num_kv_heads=layout.kv_heads_for(target.config))
         # per-layer weight arrays (unrolled layers, no per-step slice copies), stored once
         self._graphdef, self._params = serving_split(target, self._placement)
-        self.replicated_placement = Placement(self.mesh)  # the proposer's weights: replicated (small)
-        self._proposer_params = self.proposer.params(self.replicated_placement)
+        # the proposer's layers are replicated (small); an embedding it shares with the target stays the target's
+        self.proposer_placement = Placement(self.mesh, replicated_layout(target.config, mesh.model))
+        self._proposer_params = self.proposer.params(self.proposer_placement)
         self._executables: dict[ShapeKey, Callable] = {}
         self.lengths = np.zeros(menu.num_slots, np.int64)  # host mirror of committed lengths
         self.proposer_lengths = np.zeros(menu.num_slots, np.int64)  # host mirror: what the proposer saw

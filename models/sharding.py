@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -47,9 +46,10 @@ class ShardingError(ValueError):
 class TensorParallelLayout:
     """How one model is split over `groups` devices of the `model` axis.
 
-    groups:      P = the `model` axis size (1: no tensor parallelism).
+    groups:      P = the `model` axis size for the layers (1: the layers are replicated).
     kv_heads:    G' kv heads the serving weights and cache hold (G, or G repeated up to P).
-    shard_vocab: embedding / LM head split over the vocabulary (else replicated).
+    shard_vocab: embedding / LM head split over the vocabulary on `model` (else replicated); a draft
+                 with replicated layers still splits the embedding it shares with its target.
     notes:       what was padded or replicated, in words (printed when an engine is built).
     """
 
@@ -102,6 +102,12 @@ def plan_layout(config: ModelConfig, model_size: int) -> TensorParallelLayout:
                                 shard_vocab=shard_vocab, notes=tuple(notes))
 
 
+def replicated_layout(config: ModelConfig, model_size: int) -> TensorParallelLayout:
+    """A draft's layout: layers replicated (small; splitting them would add two all-reduces per layer to
+    every drafted token), the embedding split over the vocabulary when it divides, like its target's."""
+    return TensorParallelLayout(shard_vocab=config.vocab_size % model_size == 0)
+
+
 def padded_slots(num_slots: int, data_size: int) -> int:
     """Cache slot rows S' ≥ S + 1 (serving slots + scratch), a multiple of the `data` axis size."""
     return math.ceil((num_slots + 1) / data_size) * data_size
@@ -110,12 +116,12 @@ def padded_slots(num_slots: int, data_size: int) -> int:
 def param_spec(name: str, layout: TensorParallelLayout) -> PS:
     """PartitionSpec of a serving weight by its name (a key of a layer dict, or embed / lm_head /
     final_norm / a stacked placeholder)."""
-    if layout.groups == 1:
-        return PS()
     if name == "embed":
         return PS(MODEL, None) if layout.shard_vocab else PS()
     if name == "lm_head":
         return PS(None, MODEL) if layout.shard_vocab else PS()
+    if layout.groups == 1:
+        return PS()
     return {"wqkv": PS(None, MODEL, None), "bqkv": PS(MODEL, None), "wo": PS(MODEL, None, None),
             "w_gate_up": PS(None, MODEL, None), "w_down": PS(MODEL, None)}.get(name, PS())
 
@@ -140,29 +146,17 @@ class Placement:
         shards its devices hold (works unchanged with several processes)."""
         if self.mesh is None:
             return jax.numpy.asarray(value)
+        sharding = NamedSharding(self.mesh, spec)
+        if isinstance(value, jax.Array) and value.sharding == sharding:
+            return value  # already placed so (a draft's embedding shared with its target): no copy
         if isinstance(value, jax.Array) and not value.is_fully_addressable:  # already global: reshard it
-            return jax.device_put(value, NamedSharding(self.mesh, spec))
+            return jax.device_put(value, sharding)
         host = np.asarray(value)
-        return jax.make_array_from_callback(host.shape, NamedSharding(self.mesh, spec), lambda idx: host[idx])
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
     def put_param(self, name: str, value) -> jax.Array:
         return self.put(value, param_spec(name, self.layout))
 
 
-def tree_shardings(tree, spec_of: Callable[[tuple, object], PS], mesh: Mesh):
-    """A pytree of NamedShardings for `tree`, the spec of each leaf from its key path."""
-    return jax.tree_util.tree_map_with_path(lambda path, leaf: NamedSharding(mesh, spec_of(path, leaf)), tree)
-
-
-def leaf_name(path: tuple) -> str:
-    """The last named key of a pytree key path ('wqkv', 'embed', ...; '' if none)."""
-    for entry in reversed(path):
-        for attr in ("key", "name"):
-            value = getattr(entry, attr, None)
-            if isinstance(value, str):
-                return value
-    return ""
-
-
-__all__ = ["DATA", "MODEL", "Placement", "ShardingError", "TensorParallelLayout", "cache_spec", "leaf_name",
-           "padded_slots", "param_spec", "plan_layout", "tree_shardings", "valid_model_sizes"]
+__all__ = ["DATA", "MODEL", "Placement", "ShardingError", "TensorParallelLayout", "cache_spec",
+           "padded_slots", "param_spec", "plan_layout", "replicated_layout", "valid_model_sizes"]
