@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -19,7 +21,7 @@ from jaxspec.engine import Engine  # noqa: E402
 from jaxspec.menu import Menu  # noqa: E402
 from jaxspec.types import SamplingParams  # noqa: E402
 from models.config import TINY_QWEN  # noqa: E402
-from models.llama import random_model, to_hf_state_dict  # noqa: E402
+from models.llama import random_model, serving_layers, to_hf_state_dict  # noqa: E402
 from models.loading import resolve_model, write_safetensors_dir  # noqa: E402
 
 PROMPTS = [
@@ -56,12 +58,15 @@ def test_logits_and_greedy_match_transformers(pair):
     engine = Engine(ours.model, None, Menu(num_slots=1, max_len=256, batch_buckets=(1,), k_menu=(0,),
                                                    window_buckets=(256,), prefill_buckets=(128,)))
     engine.warmup(progress=False)
+    graphdef, params = nnx.split(ours.model)  # the streamed model's serving layers run unrolled, jitted once
+    forward = jax.jit(lambda p, layers, tokens: nnx.merge(graphdef, p)(tokens, layers=layers))
+    layers = serving_layers(ours.model)
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         assert len(ids) >= 64
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].numpy()  # [T, V]
-        mine = np.asarray(ours.model(np.asarray([ids], np.int32))[0])
+        mine = np.asarray(forward(params, layers, np.asarray([ids], np.int32))[0])  # [T, V]
         assert np.abs(mine - ref).max() <= 1e-3 * np.abs(ref).max()
         with torch.no_grad():
             hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32)
