@@ -32,6 +32,8 @@ LAYER_WEIGHTS = (
     "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
 )
 LAYER_BIASES = ("bq", "bk", "bv")
+# cached attention contracts k/v in their cache layout for at most this many kv heads (see `attention`)
+BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 
 
 @jax.tree_util.register_dataclass
@@ -117,6 +119,15 @@ def register_serving_split(model: Llama, placement: Placement, layers: tuple[dic
     _SERVING_SPLITS.setdefault(model, {})[placement] = (graphdef, (params, layers))
 
 
+def serving_layers(model: Llama) -> tuple[dict, ...]:
+    """The per-layer serving weights of a serving-only model (a streamed one). Inside jit the model is a
+    copy that is not registered: pass these to `__call__(layers=)` as a jit argument instead."""
+    if model not in _SERVING_SPLITS:
+        raise ValueError(f"{model.config.name} has no registered serving layers (inside jit, pass layers= "
+                         f"from serving_layers(model) as an argument)")
+    return next(iter(_SERVING_SPLITS[model].values()))[1][1]
+
+
 def is_serving_only(model: Llama) -> bool:
     """True for a model loaded straight into its serving layout (its stacked weights are empty)."""
     return model.attn_norm.value.size == 0
@@ -183,13 +194,33 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, block_diagonal: bool = False) -> jax.Array:
     """Grouped-query attention.
 
     q: [B, T, N, H]; k, v: [B, W, G, H]; mask: [B, T, W] bool -> [B, T, N, H].
+
+    `block_diagonal`: contract k and v in their cache layout [B, W, G·H] (a free reshape) against a
+    block-diagonal query [B, T·N, G·H] (head n's values in its own group's H columns, exact zeros
+    elsewhere), instead of a matmul batched over G, for which XLA:CPU first copies k and v of the
+    window into G-major layouts every layer. It does G times the multiply-adds and, with the kv
+    heads split over a mesh, would contract over a sharded dimension: `forward_cached` uses it only
+    for few kv heads on an unsplit layout (docs/results/step_profile.md).
     """
     b, t, n, h = q.shape
-    kv_heads = k.shape[2]
+    w, kv_heads = k.shape[1], k.shape[2]
+    if block_diagonal:
+        # member: [G, N] one-hot, member[g, n] = 1 iff query head n reads kv head g
+        member = (np.arange(n)[None, :] // (n // kv_heads) == np.arange(kv_heads)[:, None]).astype(q.dtype)
+        # q_bd: [B, T·N, G·H]
+        q_bd = jnp.einsum("BTNH,GN->BTNGH", q, member).reshape(b, t * n, kv_heads * h)
+        # scores: [B, T·N, W]
+        scores = jnp.einsum("BXE,BWE->BXW", q_bd, k.reshape(b, w, kv_heads * h), preferred_element_type=jnp.float32)
+        scores = scores * (1.0 / np.sqrt(h))
+        scores = jnp.where(jnp.repeat(mask, n, axis=1), scores, jnp.finfo(jnp.float32).min)  # mask row t·N + n
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, T·N, W]
+        # out: [B, T·N, G·H] -> [B, T, N, G, H] -> each head's own group -> [B, T, N, H]
+        out = jnp.einsum("BXW,BWE->BXE", probs, v.reshape(b, w, kv_heads * h)).reshape(b, t, n, kv_heads, h)
+        return jnp.einsum("BTNGH,GN->BTNH", out, member)
     # q: [B, T, N, H] -> [B, T, G, R, H]
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
     # scores: [B, G, R, T, W]
@@ -297,7 +328,10 @@ class Llama(nnx.Module):
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         q, k = rope(q, *rope_cs), rope(k, *rope_cs)
         out, state = attend(index, q, k, v, state)  # out: [B, T, N, H]
-        x = x + jnp.einsum("BTNH,NHD->BTD", out, p["wo"])  # [B, T, D]
+        # one [B, T, N·H] x [N·H, D] matmul: the weight is read in place (a row-major reshape); with
+        # the contraction over (N, H) as two dims XLA may transpose the whole weight every step instead
+        b, t, n, hd = out.shape
+        x = x + jnp.einsum("BTE,ED->BTD", out.reshape(b, t, n * hd), p["wo"].reshape(n * hd, -1))  # [B, T, D]
         h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
         if "w_gate_up" in p:
             gate_up = jnp.einsum("BTD,DPE->BTPE", h, p["w_gate_up"])  # [B, T, P, 2F/P]
@@ -316,7 +350,7 @@ class Llama(nnx.Module):
         """
         rope_cs = rope_tables(positions, self.config.head_dim, self.config.rope_theta)  # once, not per layer
         if layers is None and is_serving_only(self):  # loaded straight into the serving layout
-            layers = next(iter(_SERVING_SPLITS[self].values()))[1][1]
+            layers = serving_layers(self)
         if layers is not None:
             for index, p in enumerate(layers):
                 x, carry_state = self._decoder_layer(p, x, rope_cs, attend, index, carry_state)
@@ -332,11 +366,12 @@ class Llama(nnx.Module):
 
     # --- entry points -------------------------------------------------------------
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Cache-free causal forward: tokens [B, T] -> logits [B, T, V]. For tests and training."""
-        return self.unembed(self.hidden_states(tokens))
+    def __call__(self, tokens: jax.Array, layers: tuple[dict, ...] | None = None) -> jax.Array:
+        """Cache-free causal forward: tokens [B, T] -> logits [B, T, V]. For tests and training.
+        `layers`: serving weights (`serving_layers`) to run unrolled instead of the stacked ones."""
+        return self.unembed(self.hidden_states(tokens, layers))
 
-    def hidden_states(self, tokens: jax.Array) -> jax.Array:
+    def hidden_states(self, tokens: jax.Array, layers: tuple[dict, ...] | None = None) -> jax.Array:
         """Cache-free causal forward to the last hidden state [B, T, D] (before the final norm)."""
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
@@ -345,7 +380,7 @@ class Llama(nnx.Module):
         def attend(index, q, k, v, state):
             return attention(q, k, v, causal), state
 
-        x, _ = self._run_layers(self.embed_tokens(tokens), positions, attend, ())
+        x, _ = self._run_layers(self.embed_tokens(tokens), positions, attend, (), layers)
         return x
 
     def forward_cached(self, inputs: StepInputs, cache: KVCache, window: int,
@@ -371,6 +406,12 @@ class Llama(nnx.Module):
             stacked = self._layer_params()
             layers = tuple({name: w[i] for name, w in stacked.items()} for i in range(self.config.num_layers))
 
+        # few kv heads on an unsplit layout (P = 1) on XLA:CPU, where it was measured faster (see `attention`);
+        # GPUs and TPUs keep the grouped einsum (their attention is bandwidth-bound, G times the flops buys nothing)
+        groups = layers[0]["wqkv"].shape[1] if "wqkv" in layers[0] else 1
+        block_diagonal = (groups == 1 and cache.k[0].shape[2] <= BLOCK_DIAGONAL_MAX_KV_HEADS
+                          and jax.default_backend() == "cpu")
+
         def attend(index, q, k, v, kv):
             ks, vs = kv
             # write this layer's new k/v, then read the window from the same (in-place) buffer
@@ -380,7 +421,7 @@ class Llama(nnx.Module):
             kw, vw = ck[inputs.slot_ids, :window], cv[inputs.slot_ids, :window]  # [B, W, G, H]
             ks = ks[:index] + (ck,) + ks[index + 1:]
             vs = vs[:index] + (cv,) + vs[index + 1:]
-            return attention(q, kw, vw, mask), (ks, vs)
+            return attention(q, kw, vw, mask, block_diagonal), (ks, vs)
 
         x, (ks, vs) = self._run_layers(self.embed_tokens(inputs.tokens), positions, attend, (cache.k, cache.v),
                                        layers)
