@@ -7,8 +7,9 @@ same matmuls at the same shapes over the same placed arrays, nothing else, jitte
 The engine's compiled step executable is timed alone at every (k, W) of the menu at B = 1 next to
 it, in the same process, and the table reports engine / bare (with the machine load before and
 after each row: numbers taken above a load of about 1 on a 2-core machine are distorted).
-Both engines decode the same prompt greedily in the same process, one after the other; the
-outputs are compared token for token (--skip-hf leaves transformers out).
+Both engines decode the same prompt greedily in the same process, alternating, `--repeats` times
+(medians reported, every repeat kept); prefill is excluded on both sides; the outputs are compared
+token for token (--skip-hf leaves transformers out).
 """
 
 from __future__ import annotations
@@ -32,24 +33,26 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
           "Describe the sea, the weather and the keeper's thoughts in detail.")
 
 
-def hf_decode(prompt_ids: list[int], n_tokens: int, repeats: int) -> tuple[list[int], float]:
-    """Greedy generate with transformers on the same GGUF; returns (tokens, seconds per token)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+class HFDecoder:
+    """Greedy generation with transformers on the same GGUF (torch CPU, fp32)."""
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    path = resolve_model(None).path
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids])
-    times = []
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
-        for _ in range(repeats):
+    def __init__(self):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        path = resolve_model(None).path
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                          dtype=torch.float32).eval()
+
+    def generate(self, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], float]:
+        """(the n new tokens, wall seconds of the whole generate call, prefill included)."""
+        ids = self.torch.tensor([prompt_ids])
+        with self.torch.no_grad():
             t = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False)
-            times.append((time.perf_counter() - t) / n_tokens)
-    return out[0, len(prompt_ids):].tolist(), float(np.median(times))
+            out = self.model.generate(ids, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False)
+            return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,23 +78,32 @@ def main(argv: list[str] | None = None) -> int:
     load_before = load()
     rows = step_vs_bare(engine, repeats=args.step_repeats)
     print(format_rows(rows))
-    times, ours = [], []
+    # alternate the two engines, repeated; per-token decode time excludes prefill on both sides: ours times
+    # the steps after the first token, HF's is (generate(n) - generate(1)) / (n - 1)
+    hf = None if args.skip_hf else HFDecoder()
+    if hf is not None:
+        hf.generate(prompt, 4)  # warm-up
+    ours_times, hf_times, ours, hf_tokens = [], [], [], []
     for _ in range(args.repeats):
         ours, seconds, _steps = decode_tokens(engine, prompt, args.tokens + 1, 0)
-        times.append(seconds / args.tokens)
-    ours_s = float(np.median(times))
+        ours_times.append(seconds / args.tokens)
+        if hf is not None:
+            hf_tokens, whole = hf.generate(prompt, args.tokens + 1)
+            _, first = hf.generate(prompt, 1)
+            hf_times.append((whole - first) / args.tokens)
+    ours_s = float(np.median(ours_times))
     result = {
-        "machine": machine(), "tokens": args.tokens, "prompt_tokens": len(prompt),
+        "machine": machine(), "tokens": args.tokens, "prompt_tokens": len(prompt), "repeats": args.repeats,
         "weight_mb": weight_mb(engine), "load_before": load_before,
-        "jaxspec_ms_per_token": ours_s * 1e3,
+        "jaxspec_ms_per_token": ours_s * 1e3, "jaxspec_ms_per_token_all": [1e3 * t for t in ours_times],
         # k = 0 at the first window (where this decode runs): the step alone vs the bare chain at T = 1
         "floor_ms_per_token": rows[0]["bare_ms"], "ratio_to_floor": ours_s * 1e3 / rows[0]["bare_ms"],
         "step_vs_bare": rows,
     }
-    if not args.skip_hf:
-        hf_tokens, hf_s = hf_decode(prompt, args.tokens, args.repeats)
-        result.update(hf_ms_per_token=hf_s * 1e3, speedup_vs_hf=hf_s / ours_s,
-                      outputs_equal=ours[:args.tokens] == hf_tokens)
+    if hf is not None:
+        hf_s = float(np.median(hf_times))
+        result.update(hf_ms_per_token=hf_s * 1e3, hf_ms_per_token_all=[1e3 * t for t in hf_times],
+                      speedup_vs_hf=hf_s / ours_s, outputs_equal=ours[:args.tokens + 1] == hf_tokens)
     result["load_after"] = load()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
