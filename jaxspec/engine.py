@@ -161,12 +161,12 @@ class Engine:
         )
 
     def _state_sharding(self, path: tuple, leaf) -> jax.sharding.NamedSharding:
-        """KV cache buffers [S', M, G, H]: slots over `data`, and the target's kv heads over `model`
-        (the proposer's cache is replicated over `model`); everything else replicated."""
-        if leaf.ndim != 4:
+        """KV cache buffers (the `k` / `v` fields of a KVCache, [S', M, G, H]): slots over `data`, and the
+        target's kv heads over `model` (the proposer's cache is replicated over `model`); the rest replicated."""
+        names = [getattr(entry, "name", None) for entry in path]
+        if not ({"k", "v"} & set(names)):
             return self._replicated
-        target_cache = getattr(path[0], "name", None) == "cache"
-        spec = cache_spec(tensor_parallel=target_cache and self._placement.layout.groups > 1)
+        spec = cache_spec(tensor_parallel=names[0] == "cache" and self._placement.layout.groups > 1)
         return jax.sharding.NamedSharding(self.mesh, spec)
 
     def placed_weights(self) -> tuple[dict[str, jax.Array], tuple[dict[str, jax.Array], ...]]:

@@ -43,15 +43,6 @@ class KVCache:
     lengths: jax.Array  # [S+1] int32
 
     @property
-    def num_slots(self) -> int:
-        """Serving slots (excludes the scratch slot)."""
-        return self.k[0].shape[0] - 1
-
-    @property
-    def scratch_slot(self) -> int:
-        return self.k[0].shape[0] - 1
-
-    @property
     def max_len(self) -> int:
         return self.k[0].shape[1]
 

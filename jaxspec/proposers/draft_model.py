@@ -45,8 +45,7 @@ class DraftModelProposer(Proposer):
     def params(self, placement: Placement = Placement()) -> ServingParams:
         """Per-layer weights read in place, like the target's (a draft with many layers would otherwise
         copy every stacked slice on every draft forward); replicated over the mesh by the engine."""
-        self.graphdef, params = serving_split(self.draft, placement)
-        return params
+        return serving_split(self.draft, placement)[1]
 
     def init_state(self, num_slots: int, max_len: int) -> KVCache:
         return init_cache(self.config, num_slots, max_len)

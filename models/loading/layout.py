@@ -45,17 +45,22 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_state_dict(config: ModelConfig, state_dict: Mapping[str, np.ndarray], source: str) -> None:
-    """Raise ModelLoadError unless `state_dict` has exactly the float32 tensors `config` implies."""
+def check_shapes(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Raise ModelLoadError unless `shapes` (tensor name -> shape) are exactly the tensors `config` implies."""
     want = expected_shapes(config)
-    for problem, names in (("missing", set(want) - set(state_dict)), ("unexpected", set(state_dict) - set(want))):
+    for problem, names in (("missing", set(want) - set(shapes)), ("unexpected", set(shapes) - set(want))):
         if names:
             first, more = sorted(names)[0], len(names) - 1
             raise ModelLoadError(f"{source}: {problem} tensor {first}" + (f" (and {more} more)" if more else ""))
     for name, shape in want.items():
-        array = state_dict[name]
-        if tuple(array.shape) != shape:
-            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(array.shape)}, expected {shape}")
+        if tuple(shapes[name]) != shape:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(shapes[name])}, expected {shape}")
+
+
+def check_state_dict(config: ModelConfig, state_dict: Mapping[str, np.ndarray], source: str) -> None:
+    """Raise ModelLoadError unless `state_dict` has exactly the float32 tensors `config` implies."""
+    check_shapes(config, {name: tuple(array.shape) for name, array in state_dict.items()}, source)
+    for name, array in state_dict.items():
         if array.dtype != np.float32:
             raise ModelLoadError(f"{source}: tensor {name} has dtype {array.dtype}, expected float32")
 

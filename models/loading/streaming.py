@@ -38,7 +38,7 @@ from models.llama import Llama, _hf_layer_tensors, fuse_layer, serving_only_mode
 from models.loading.checkpoints import PARAMS_DIR, read_converted_info
 from models.loading.errors import ModelLoadError
 from models.loading.gguf import gguf_tensor_shape, gguf_tensors, open_gguf, read_gguf_config, read_gguf_tensor
-from models.loading.layout import expected_shapes
+from models.loading.layout import check_shapes, expected_shapes
 from models.loading.registry import ModelSource, finish_config, resolve_model
 from models.loading.safetensors import is_ignored_tensor, read_safetensors_config, weight_files
 from models.loading.tokenizer import TextTokenizer
@@ -232,7 +232,7 @@ def stream_model(spec: str | ModelSource | None, dtype: str, placement: Placemen
     source = spec if isinstance(spec, ModelSource) else resolve_model(spec)
     tensors = open_source(source)
     try:
-        _check_shapes(tensors.config, tensors.shapes(), tensors.where)
+        check_shapes(tensors.config, tensors.shapes(), tensors.where)
         config = finish_config(tensors.config, tensors.tokenizer, source).replace(dtype=dtype)
         if num_layers is not None:
             if not 1 <= num_layers <= config.num_layers:
@@ -284,18 +284,6 @@ def _checked_reader(tensors: TensorSource) -> Callable[[str], np.ndarray]:
         return value
 
     return read
-
-
-def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    """ModelLoadError unless the file holds exactly the tensors `config` implies, with their shapes."""
-    want = expected_shapes(config)
-    for problem, names in (("missing", set(want) - set(shapes)), ("unexpected", set(shapes) - set(want))):
-        if names:
-            first, more = sorted(names)[0], len(names) - 1
-            raise ModelLoadError(f"{where}: {problem} tensor {first}" + (f" (and {more} more)" if more else ""))
-    for name, shape in want.items():
-        if tuple(shapes[name]) != shape:
-            raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(shapes[name])}, expected {shape}")
 
 
 __all__ = ["ConvertedSource", "GGUFSource", "SafetensorsSource", "StreamedModel", "TensorSource", "open_source",
