@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode_speed --tokens 64 --out docs/results/decode_speed.json
 
-The floor is the bare matmul chain of the model's own serving weights (`benchmarks.floor`): the
+The floor is the bare matmul chain of the model's own serving weights (`jaxspec.floor`): the
 same matmuls at the same shapes over the same placed arrays, nothing else, jitted, at T = k + 1.
 The engine's compiled step executable is timed alone at every (k, W) of the menu at B = 1 next to
 it, in the same process, and the table reports engine / bare (with the machine load before and
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import decode_tokens, machine
-from benchmarks.floor import format_rows, load, step_vs_bare, weight_mb
+from jaxspec.floor import format_growth, format_rows, load, step_vs_bare, weight_mb, window_growth
 from jaxspec.build import build_model, build_proposer
 from jaxspec.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu
@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     engine.warmup(progress=False)
     load_before = load()
     rows = step_vs_bare(engine, repeats=args.step_repeats)
+    growth = window_growth(engine, rows)
     print(format_rows(rows))
+    print(format_growth(growth))
     # alternate the two engines, repeated; per-token decode time excludes prefill on both sides: ours times
     # the steps after the first token, HF's is (generate(n) - generate(1)) / (n - 1)
     hf = None if args.skip_hf else HFDecoder()
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "jaxspec_ms_per_token": ours_s * 1e3, "jaxspec_ms_per_token_all": [1e3 * t for t in ours_times],
         # k = 0 at the first window (where this decode runs): the step alone vs the bare chain at T = 1
         "floor_ms_per_token": rows[0]["bare_ms"], "ratio_to_floor": ours_s * 1e3 / rows[0]["bare_ms"],
-        "step_vs_bare": rows,
+        "step_vs_bare": rows, "window_growth": growth,
     }
     if hf is not None:
         hf_s = float(np.median(hf_times))

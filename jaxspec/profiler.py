@@ -177,6 +177,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="output JSON file (default: $JAXSPEC_PROFILE_DIR or ~/.cache/jaxspec/profiles/<key>.json)")
     parser.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time each (k, W) step at B = 1 against a bare chain of the model's own matmuls "
+                             "(jaxspec/floor.py) and print the ratios")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -208,4 +211,11 @@ def run(args: argparse.Namespace, builder: Callable[[argparse.Namespace], object
         for e in sorted(profile.entries, key=lambda e: (e.window, e.batch, e.k)):
             print(f"  B={e.batch:<3d} k={e.k:<2d} W={e.window:<5d} {e.seconds * 1e3:9.3f} ms")
     print(f"saved {out}", file=sys.stderr)
+    if args.floor:
+        from jaxspec.floor import format_growth, format_rows, load, step_vs_bare, window_growth
+
+        rows = step_vs_bare(engine)
+        print(f"the step against the bare chain of its own matmuls at B = 1 ({load()}):")
+        print(format_rows(rows))
+        print(format_growth(window_growth(engine, rows)))
     return 0

@@ -9,9 +9,11 @@ it reads every serving weight once, which is what a decode step cannot avoid.
 
 `step_vs_bare(engine, ...)` times, in one process and one run, the engine's compiled step executable
 alone (called the way `Engine.step` calls it, block_until_ready, no host bookkeeping) at every
-(k, W) of its menu at B = 1 against the bare chain at T = k + 1, and returns rows with the ratio
-engine / bare. It prefills slot 0 with a dummy prompt and resets the engine at the end: run it on a
-fresh engine, never a serving one.
+(k, W) of its menu at B = 1 against the bare chain at T = k + 1, the two called alternately, and
+returns rows with the ratio engine / bare. `window_growth(engine, rows)` sets what a larger window
+adds against the time its extra K/V bytes take to read at the bandwidth the bare chain reaches.
+It prefills slot 0 with a dummy prompt and resets the engine at the end: run it on a fresh engine
+(`jaxspec profile --floor`, `benchmarks/decode_speed.py`), never a serving one.
 """
 
 from __future__ import annotations
@@ -56,24 +58,29 @@ def bare_chain(engine, t: int):
     return jax.jit(chain), (x, mats, head)
 
 
-def _median_s(call, repeats: int) -> float:
-    call()  # untimed first run
-    times = []
+def _interleaved_medians(calls, repeats: int) -> list[float]:
+    """Median seconds of each call, the calls alternated repeat by repeat (drift hits them alike)."""
+    for call in calls:
+        call()  # untimed first run
+    times = [[] for _ in calls]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for call, record in zip(calls, times, strict=True):
+            t0 = time.perf_counter()
+            call()
+            record.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
-def time_bare(engine, t: int, repeats: int = 20) -> float:
+def bare_call(engine, t: int):
+    """A no-argument call of the compiled bare chain at T = t (blocks until done)."""
     fn, args = bare_chain(engine, t)
-    fn(*args).block_until_ready()  # compile
-    return _median_s(lambda: fn(*args).block_until_ready(), repeats)
+    compiled = fn.lower(*args).compile()
+    return lambda: compiled(*args).block_until_ready()
 
 
-def time_step(engine, k: int, window: int, repeats: int = 20) -> float:
-    """Median seconds of the engine's compiled (B=1, k, W) step executable alone (slot 0)."""
+def step_call(engine, k: int, window: int):
+    """A no-argument call of the engine's compiled (B=1, k, W) step executable alone (slot 0), as
+    `Engine.step` calls it, without host bookkeeping (blocks until done)."""
     fn = engine._executable(StepKey(1, k, window))
     slots = np.zeros((1,), np.int32)
     caps = np.full((1,), k, np.int32)
@@ -82,28 +89,61 @@ def time_step(engine, k: int, window: int, repeats: int = 20) -> float:
         engine.state, packed = fn(engine._params, engine._proposer_params, engine.state, slots, caps)
         packed.block_until_ready()
 
-    return _median_s(call, repeats)
+    return call
 
 
 def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8) -> list[dict]:
     """Rows {k, W, T, engine_ms, bare_ms, ratio, load_before, load_after} for every (k, W) of the menu at B = 1.
 
+    The engine's step and the bare chain at T = k + 1 are called alternately, `repeats` times each.
     The slot is prefilled with `prompt_len` tokens; cost depends only on the static shape, and
     writes past max_len are dropped, so the length the steps reach does not matter.
     """
     engine.warmup(progress=False)
     engine.reset()
     engine.prefill(0, [2 + i % 7 for i in range(prompt_len)], SamplingParams(temperature=0.0))
+    bare = {k: bare_call(engine, k + 1) for k in engine.menu.k_menu}
     rows = []
     for k in engine.menu.k_menu:
         for window in engine.menu.window_buckets:
             before = load()
-            step_s = time_step(engine, k, window, repeats)
-            bare_s = time_bare(engine, k + 1, repeats)  # right after the step: drift hits both alike
+            step_s, bare_s = _interleaved_medians([step_call(engine, k, window), bare[k]], repeats)
             rows.append({"k": k, "W": window, "T": k + 1, "engine_ms": step_s * 1e3, "bare_ms": bare_s * 1e3,
                          "ratio": step_s / bare_s, "load_before": before, "load_after": load()})
     engine.reset()
     return rows
+
+
+def kv_window_mb(engine, window: int) -> float:
+    """MB of keys and values a step at window W reads for one row (every layer)."""
+    c = engine.model_config
+    itemsize = jax.numpy.dtype(c.dtype).itemsize
+    return 2 * c.num_layers * window * c.num_kv_heads * c.head_dim * itemsize / 1e6
+
+
+def window_growth(engine, rows: list[dict]) -> list[dict]:
+    """Per k: the ms the step adds from the smallest to the largest window, against the time reading
+    the added K/V bytes takes at the bandwidth the bare chain reaches at T = 1 (weight bytes / bare ms).
+    `ratio` is added ms / bytes-time (1 = attention grows at the rate its bytes are read)."""
+    t1 = [r for r in rows if r["k"] == min(r["k"] for r in rows)]
+    gb_per_s = weight_mb(engine) / 1e3 / (statistics.median(r["bare_ms"] for r in t1) / 1e3)
+    out = []
+    for k in sorted({r["k"] for r in rows}):
+        by_w = sorted((r for r in rows if r["k"] == k), key=lambda r: r["W"])
+        lo, hi = by_w[0], by_w[-1]
+        added_mb = kv_window_mb(engine, hi["W"]) - kv_window_mb(engine, lo["W"])
+        read_ms = added_mb / gb_per_s  # MB / (GB/s) = ms
+        added_ms = hi["engine_ms"] - lo["engine_ms"]
+        out.append({"k": k, "W_from": lo["W"], "W_to": hi["W"], "added_ms": added_ms, "added_kv_mb": added_mb,
+                    "bandwidth_gb_s": gb_per_s, "read_ms": read_ms, "ratio": added_ms / read_ms})
+    return out
+
+
+def format_growth(growth: list[dict]) -> str:
+    lines = [f"{'k':>3} {'W':>11} {'added ms':>9} {'added KV MB':>12} {'read ms':>8} {'ratio':>6}"]
+    lines += [f"{g['k']:>3} {g['W_from']:>5}-{g['W_to']:<5} {g['added_ms']:>9.2f} {g['added_kv_mb']:>12.1f} "
+              f"{g['read_ms']:>8.2f} {g['ratio']:>6.2f}" for g in growth]
+    return "\n".join(lines)
 
 
 def weight_mb(engine) -> float:

@@ -1,0 +1,49 @@
+"""The floor reference (jaxspec/floor.py): the bare chain computes what its docstring says, and the
+step-vs-bare table and window growth cover every (k, W) of the menu with consistent arithmetic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxspec.engine import Engine
+from jaxspec.floor import bare_chain, kv_window_mb, step_vs_bare, window_growth
+from jaxspec.menu import Menu
+from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return Engine(tiny_model, PromptLookupProposer(), Menu(num_slots=1, max_len=64, batch_buckets=(1,),
+                                                           k_menu=(0, 2), window_buckets=(32, 64),
+                                                           prefill_buckets=(16,)))
+
+
+def test_the_bare_chain_is_the_model_matmuls_without_norms_or_attention(engine):
+    fn, (x, mats, head) = bare_chain(engine, 3)
+    expected = np.asarray(x, np.float64)
+    c = engine.model_config
+    nh, f = c.num_heads * c.head_dim, c.intermediate_size
+    for wqkv, wo, w_gate_up, w_down in mats:  # the same recurrence in float64 numpy
+        expected = expected + (expected @ np.asarray(wqkv))[:, :nh] @ np.asarray(wo)
+        expected = expected + (expected @ np.asarray(w_gate_up))[:, :f] @ np.asarray(w_down)
+    expected = expected @ (np.asarray(head).T if c.tie_embeddings else np.asarray(head))
+    got = np.asarray(fn(x, mats, head))
+    assert got.shape == (3, c.vocab_size)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_step_vs_bare_rows_and_window_growth(engine):
+    rows = step_vs_bare(engine, repeats=2)
+    assert [(r["k"], r["W"], r["T"]) for r in rows] == [(0, 32, 1), (0, 64, 1), (2, 32, 3), (2, 64, 3)]
+    for r in rows:
+        assert r["engine_ms"] > 0 and r["bare_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["engine_ms"] / r["bare_ms"])
+    growth = window_growth(engine, rows)
+    assert [g["k"] for g in growth] == [0, 2]
+    c = engine.model_config
+    for g in growth:
+        assert g["added_kv_mb"] == pytest.approx(2 * c.num_layers * 32 * c.num_kv_heads * c.head_dim * 4 / 1e6)
+        assert g["added_kv_mb"] == pytest.approx(kv_window_mb(engine, 64) - kv_window_mb(engine, 32))
+        assert g["ratio"] == pytest.approx(g["added_ms"] / (g["added_kv_mb"] / g["bandwidth_gb_s"]))
+    assert engine.length(0) == 0  # the engine is reset afterwards
