@@ -198,7 +198,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                                   vocab_size=target.config.vocab_size) for w in s.workloads}
     menu = bench_menu(s)
     t0 = time.perf_counter()
-    plain = Engine(target, None, menu.replace(k_menu=(0,)), mesh=mesh)
+    plain = Engine(target, None, menu.with_k_menu((0,)), mesh=mesh)
     plain.warmup(progress=s.progress)
     engines = {}
     for name, prop in proposers.items():

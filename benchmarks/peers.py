@@ -207,7 +207,7 @@ def run_peers(model_spec: str | None, built, n_prompts: int = 3, n_tokens: int =
     windows = tuple(sorted({w for w in (256,) if w < max_len} | {max_len}))
     menu = Menu(num_slots=1, max_len=max_len, batch_buckets=(1,), k_menu=(0, 1, 2, 3, 4, 5),
                         window_buckets=windows, prefill_buckets=(64, 256) if max_len >= 256 else (64,))
-    plain = Engine(built.model, None, menu.replace(k_menu=(0,)))
+    plain = Engine(built.model, None, menu.with_k_menu((0,)))
     lookup = Engine(built.model, PromptLookupProposer(1, prompt_lookup), menu)
     plain.warmup(progress=False)
     lookup.warmup(progress=False)

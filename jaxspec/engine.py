@@ -107,7 +107,7 @@ class Engine:
         self.proposer = proposer or NoProposer()
         if isinstance(self.proposer, NoProposer) and menu.k_menu != (0,):
             # a plain engine can only take k = 0: compile just that (a k > 0 step then raises MenuMissError)
-            menu = menu.replace(k_menu=(0,))
+            menu = menu.with_k_menu((0,))
         self.menu = menu
         self.model_name = target.config.name
         self.dtype = target.config.dtype  # weights and KV cache (jaxspec.dtypes); names the cost profile

@@ -58,6 +58,9 @@ class EngineArgs:
     dtype: str = _flag("auto", "dtype of weights and KV cache: 'auto' (float32 on CPU, bfloat16 on GPU/TPU), "
                        "'float32' or 'bfloat16'; softmax, norms, logits, sampling and verify stay float32",
                        metavar="|".join(DTYPES))
+    tree: str | None = _flag(None, "token-tree envelope N[:D] (--proposer ngram): the step at k = N verifies a tree "
+                             "of N proposals at most D deep (default D = ceil(N/2)) in place of the chain of N; "
+                             "with --policy fixed:N every step does", shown="none: chains only", metavar="N[:D]")
     mesh: str | None = _flag(None, "device mesh: 'data=D,model=M' (KV cache slots over D devices, tensor parallel over "
                              "M); overrides the engine config's mesh", shown="the engine config's, else data=1,model=1",
                              metavar="data=D,model=M")
@@ -75,6 +78,26 @@ class EngineArgs:
         self.policy_spec()  # a bad or proposer-less policy fails here, before anything loads
         if self.mesh is not None:
             MeshSpec.parse(self.mesh)  # a bad mesh fails here too
+        if self.tree is not None:
+            self.tree_envelope()  # a bad envelope fails here too
+            if self.proposer != "ngram":
+                raise ValueError(f"--tree needs --proposer ngram (token trees from a {self.proposer!r} proposer are "
+                                 f"not implemented)")
+            if self.policy_spec().needs_cost_model:
+                raise ValueError(f"--tree with --policy {self.policy_spec()} is not implemented yet (the goodput "
+                                 f"policies price chains only): use --policy fixed:N, heuristic or table")
+
+    def tree_envelope(self):
+        """The parsed --tree (a jaxspec.menu.TreeEnvelope), or None."""
+        from jaxspec.menu import TreeEnvelope
+
+        return None if self.tree is None else TreeEnvelope.parse(self.tree)
+
+    def engine_menu(self, menu):
+        """`menu` with the --tree envelope in it (if any), then only the k values the policy can pick."""
+        tree = self.tree_envelope()
+        menu = menu if tree is None else menu.with_tree(tree)
+        return menu.with_k_menu(self.policy_spec().k_values(menu.k_menu))
 
     def mesh_spec(self) -> MeshSpec:
         """--mesh, else the engine config's `mesh:`, else data=1,model=1."""

@@ -12,6 +12,11 @@ len_i .. len_i + c_i; what a row writes past its cap is padding, never attended.
     needed = max_i (len_i + c_i) + 1                      cache positions the step attends over
     window = the smallest window bucket ≥ needed
 
+A tree envelope (`TreeEnvelope`: N proposal nodes, at most D deep) takes the place of the chain at
+k = N in the menu: the step verifies N + 1 tokens per row (the pending token and the N nodes) at
+the same window and caps arithmetic as a chain of k = N (a row capped at c verifies only nodes
+1..c, which are at most c deep), so every rule above holds for trees unchanged.
+
 A batch whose rows are all capped at 0 runs the k = 0 executable (and no draft catch-up); a long
 row capped at a small k does not push the window, so it does not take large k from the other rows.
 """
@@ -59,6 +64,31 @@ class CatchUpKey:
 
 
 ShapeKey = StepKey | PrefillKey | CatchUpKey
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class TreeEnvelope:
+    """A static token-tree shape: `nodes` proposals (N, the verify width less the pending token), at
+    most `depth` (D) deep. D = N is the chain. Parsed from `--tree N[:D]`; D defaults to ceil(N / 2)."""
+
+    nodes: int
+    depth: int
+
+    def __post_init__(self):
+        if not 1 <= self.depth <= self.nodes:
+            raise ValueError(f"a tree envelope needs 1 <= depth <= nodes, got nodes={self.nodes} depth={self.depth}")
+
+    @classmethod
+    def parse(cls, text: str) -> TreeEnvelope:
+        """'8' -> TreeEnvelope(8, 4); '8:3' -> TreeEnvelope(8, 3). ValueError otherwise."""
+        nodes, sep, depth = str(text).strip().partition(":")
+        if not nodes.isdigit() or (sep and not depth.isdigit()) or int(nodes) < 1:
+            raise ValueError(f"bad tree envelope {text!r}: expected N or N:D with integers 1 <= D <= N, e.g. 8 or 8:4")
+        n = int(nodes)
+        return cls(n, int(depth) if sep else max(1, -(-n // 2)))
+
+    def __str__(self) -> str:
+        return f"{self.nodes}:{self.depth}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +168,7 @@ class Menu:
     k_menu:          speculation lengths a step can run at (0 = plain decoding).
     window_buckets:  attention windows W (the last is max_len).
     prefill_buckets: prompt chunk sizes C.
+    tree_envelopes:  token-tree shapes; each replaces the chain at k = nodes (which k_menu must hold).
     """
 
     num_slots: int = 8
@@ -146,6 +177,7 @@ class Menu:
     k_menu: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 8)
     window_buckets: tuple[int, ...] = (256, 1024)
     prefill_buckets: tuple[int, ...] = (32, 128)
+    tree_envelopes: tuple[TreeEnvelope, ...] = ()
 
     def __post_init__(self):
         for name in ("batch_buckets", "k_menu", "window_buckets", "prefill_buckets"):
@@ -164,9 +196,32 @@ class Menu:
             raise ValueError("k_menu values must be >= 0")
         if self.prefill_buckets[0] < 1 or self.prefill_buckets[-1] > self.max_len:
             raise ValueError(f"prefill buckets must be in [1, max_len], got {self.prefill_buckets}")
+        trees = tuple(t if isinstance(t, TreeEnvelope) else TreeEnvelope.parse(t) for t in self.tree_envelopes)
+        object.__setattr__(self, "tree_envelopes", trees)
+        nodes = [t.nodes for t in trees]
+        if len(set(nodes)) != len(nodes):
+            raise ValueError(f"two tree envelopes with the same node count: {', '.join(map(str, trees))}")
+        missing = [t for t in trees if t.nodes not in self.k_menu]
+        if missing:
+            raise ValueError(f"tree envelope {missing[0]} needs k={missing[0].nodes} in k_menu {self.k_menu}")
 
     def replace(self, **changes) -> Menu:
         return dataclasses.replace(self, **changes)
+
+    def with_k_menu(self, k_menu: Sequence[int]) -> Menu:
+        """This menu with only the k values `k_menu` (and the tree envelopes that still have their k)."""
+        k_menu = tuple(k_menu)
+        return self.replace(k_menu=k_menu, tree_envelopes=tuple(t for t in self.tree_envelopes if t.nodes in k_menu))
+
+    def with_tree(self, tree: TreeEnvelope) -> Menu:
+        """This menu with `tree` at k = tree.nodes (added to k_menu if absent; replaces the chain there)."""
+        others = tuple(t for t in self.tree_envelopes if t.nodes != tree.nodes)
+        return self.replace(k_menu=tuple(sorted(set(self.k_menu) | {tree.nodes})),
+                            tree_envelopes=tuple(sorted(others + (tree,))))
+
+    def tree_at(self, k: int) -> TreeEnvelope | None:
+        """The tree envelope that runs at k, or None for a chain."""
+        return next((t for t in self.tree_envelopes if t.nodes == k), None)
 
     @property
     def max_k(self) -> int:

@@ -48,11 +48,6 @@ def resolve_tokenizer(spec: str, model_tokenizer: TokenizerLike | None, model_na
     raise ValueError(f"unknown tokenizer {spec!r}; choose 'model', {', '.join(map(repr, TOY_TOKENIZERS))}")
 
 
-def menu_for(spec: PolicySpec, menu: Menu) -> Menu:
-    """`menu` with only the k values the policy can pick (ValueError for fixed:K outside it)."""
-    return menu.replace(k_menu=spec.k_values(menu.k_menu))
-
-
 def build_policy(spec: PolicySpec | str, engine: EngineAPI | None = None, progress: bool = True) -> Policy:
     """The policy named by `spec`; goodput policies load (or measure) the engine's cost profile."""
     from jaxspec.policy.registry import load_defaults, make_policy
@@ -109,7 +104,7 @@ def build_runtime(engine_args: EngineArgs, progress: bool = True, before_warmup:
     enable_compilation_cache()
     compile_counter.install()
     spec = engine_args.policy_spec()
-    menu = menu_for(spec, load_menu(engine_args.menu, **menu_overrides))
+    menu = engine_args.engine_menu(load_menu(engine_args.menu, **menu_overrides))
     early_policy = None
     if not spec.needs_cost_model:
         early_policy = build_policy(spec)  # bad specs fail before loading anything
@@ -127,7 +122,7 @@ def follow_runtime(engine_args: EngineArgs, link: FollowerLink, **menu_overrides
     try:
         enable_compilation_cache()
         compile_counter.install()
-        menu = menu_for(engine_args.policy_spec(), load_menu(engine_args.menu, **menu_overrides))
+        menu = engine_args.engine_menu(load_menu(engine_args.menu, **menu_overrides))
         engine, _, _ = assemble_engine(engine_args, menu)
     except Exception as exc:  # noqa: BLE001 - reported to process 0, which then exits too
         link.fail(f"building the engine failed: {type(exc).__name__}: {exc}")

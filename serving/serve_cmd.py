@@ -22,7 +22,7 @@ from serving.service import GenerationServer, PolicyFactory
 log = logging.getLogger(__name__)
 
 # the EngineArgs fields ServeConfig has
-ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer", "dtype", "mesh")
+ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer", "dtype", "mesh", "tree")
 
 
 def build_server(config: ServeConfig, progress: bool = True,
@@ -33,11 +33,11 @@ def build_server(config: ServeConfig, progress: bool = True,
     from jaxspec.build import load_menu
     from jaxspec.engine_api import EngineAPI
     from jaxspec.policy.base import Policy
-    from serving.runtime import assemble_engine, build_policy, menu_for
+    from serving.runtime import assemble_engine, build_policy
 
     engine_args = config.engine_args()
     spec = engine_args.policy_spec()
-    menu = menu_for(spec, load_menu(engine_args.menu))  # only the k values the policy can pick
+    menu = engine_args.engine_menu(load_menu(engine_args.menu))  # --tree, then only the k values the policy can pick
     policy: Policy | PolicyFactory
     if spec.needs_cost_model:
         def policy(warm: EngineAPI) -> Policy:  # needs the warmed-up engine: loads or measures its cost profile

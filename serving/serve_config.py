@@ -26,7 +26,8 @@ class ServeConfig:
         (jaxspec.engine_args.EngineArgs, which `engine_args()` returns); policy None = goodput with a
         proposer, else none; menu: a jaxspec/configs/engine.yaml name or a YAML path; tokenizer: 'model' (the
         model's own), or a toy one for random-weight presets: 'ascii', 'bytes'; dtype: 'auto' (float32 on
-        CPU, bfloat16 on GPU/TPU), 'float32', 'bfloat16'; mesh: 'data=D,model=M' (None: the menu's, else 1,1)
+        CPU, bfloat16 on GPU/TPU), 'float32', 'bfloat16'; mesh: 'data=D,model=M' (None: the menu's, else 1,1);
+        tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only)
     metrics_port:       None = no metrics endpoint; 0 = an ephemeral port
     max_tokens_limit:   the largest max_tokens a request may ask for; default_max_tokens when it asks none
     max_queue:          requests waiting for a slot before calls get RESOURCE_EXHAUSTED
@@ -49,6 +50,7 @@ class ServeConfig:
     tokenizer: str = "model"
     dtype: str = "auto"
     mesh: str | None = None
+    tree: str | None = None
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
@@ -96,7 +98,8 @@ class ServeConfig:
     def engine_args(self) -> EngineArgs:
         """The engine this config names (ValueError for a bad proposer, tokenizer or policy)."""
         return EngineArgs(model=self.model, proposer=self.proposer, draft=self.draft, policy=self.policy,
-                          menu=self.menu, tokenizer=self.tokenizer, dtype=self.dtype, mesh=self.mesh)
+                          menu=self.menu, tokenizer=self.tokenizer, dtype=self.dtype, mesh=self.mesh,
+                          tree=self.tree)
 
 
 def load_serve_config(path: str | Path | None = None, **overrides) -> ServeConfig:
