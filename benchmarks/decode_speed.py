@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import decode_tokens, machine
-from jaxspec.floor import format_growth, format_rows, load, step_vs_bare, weight_mb, window_growth
 from jaxspec.build import build_model, build_proposer
 from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.floor import format_growth, format_rows, load, step_vs_bare, weight_mb, window_growth
 from jaxspec.menu import Menu
 from models.loading import resolve_model
 
