@@ -39,7 +39,8 @@ from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, MenuMissE
 from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.proposers.base import NoProposer, Proposer, StepContext, empty_proposals
 from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, StepResult
-from jaxspec.verify import RESIDUAL_KEY, verify
+from jaxspec import tree as tree_lib
+from jaxspec.verify import RESIDUAL_KEY, verify, verify_tree
 from models.kv_cache import init_cache
 from models.llama import Llama, chain_inputs, serving_split
 from models.sharding import Placement, cache_spec, padded_slots, plan_layout, replicated_layout
@@ -108,6 +109,9 @@ class Engine:
         if isinstance(self.proposer, NoProposer) and menu.k_menu != (0,):
             # a plain engine can only take k = 0: compile just that (a k > 0 step then raises MenuMissError)
             menu = menu.with_k_menu((0,))
+        if menu.tree_envelopes and not self.proposer.builds_trees:
+            raise ValueError(f"the menu's tree envelopes ({', '.join(map(str, menu.tree_envelopes))}) need a proposer "
+                             f"that builds token trees; {self.proposer.name!r} does not (use the ngram proposer)")
         self.menu = menu
         self.model_name = target.config.name
         self.dtype = target.config.dtype  # weights and KV cache (jaxspec.dtypes); names the cost profile
@@ -188,7 +192,7 @@ class Engine:
 
     def _step_body(self, k: int, window: int):
         proposer = self.proposer
-        scratch = self.scratch_slot
+        tree = self.menu.tree_at(k)
 
         def body(target_params, proposer_params, state: DecodeState, slot_ids, row_k):
             target, layers = nnx.merge(self._graphdef, target_params[0]), target_params[1]
@@ -196,18 +200,30 @@ class Engine:
             start = state.cache.lengths[slot_ids]  # [B]
             pending = state.pending[slot_ids]  # [B]
             ctx = StepContext(slot_ids=slot_ids, start=start, history=state.history, rows=self._rows(state, slot_ids))
-            if k > 0:
-                proposals, pstate = proposer.propose(proposer_params, state.proposer, ctx, k, window)
-                # per-request k: row b verifies at most row_k[b] proposals
-                proposals = dataclasses.replace(proposals, lens=jnp.minimum(proposals.lens, row_k))
-            else:  # plain decoding: the proposer's state is left alone (caught up lazily)
-                proposals = empty_proposals(b)
-                pstate = state.proposer
-            # tokens_in: [B, k+1] = pending then the proposals
-            tokens_in = jnp.concatenate([pending[:, None], proposals.token_ids], axis=1)
-            logits, cache = target.forward_cached(chain_inputs(tokens_in, slot_ids, start), state.cache, window,
-                                                  layers=layers)
-            out, counts = verify(logits, proposals, ctx.rows)  # [B, k+1], [B]
+            if tree is not None:  # a token tree of k = N nodes (jaxspec/tree.py)
+                nodes, pstate = proposer.propose_tree(proposer_params, state.proposer, ctx, tree, window)
+                # row b verifies nodes 1 .. min(lens, row_k[b]): a parent-closed prefix at most that deep
+                valid = jnp.arange(k)[None, :] < jnp.minimum(nodes.lens, row_k)[:, None]  # [B, N]
+                logits, cache = target.forward_cached(
+                    tree_lib.tree_inputs(pending, nodes, valid, slot_ids, start, tree.depth), state.cache, window,
+                    layers=layers)  # [B, N+1, V]
+                out, counts, path = verify_tree(logits, *tree_lib.with_root(nodes, valid), ctx.rows, tree.depth)
+                cache = tree_lib.compact(cache, slot_ids, start, path)  # the accepted path where a chain has it
+                proposed = jnp.sum(valid, axis=1).astype(jnp.int32)  # [B]
+            else:
+                if k > 0:
+                    proposals, pstate = proposer.propose(proposer_params, state.proposer, ctx, k, window)
+                    # per-request k: row b verifies at most row_k[b] proposals
+                    proposals = dataclasses.replace(proposals, lens=jnp.minimum(proposals.lens, row_k))
+                else:  # plain decoding: the proposer's state is left alone (caught up lazily)
+                    proposals = empty_proposals(b)
+                    pstate = state.proposer
+                # tokens_in: [B, k+1] = pending then the proposals
+                tokens_in = jnp.concatenate([pending[:, None], proposals.token_ids], axis=1)
+                logits, cache = target.forward_cached(chain_inputs(tokens_in, slot_ids, start), state.cache, window,
+                                                      layers=layers)
+                out, counts = verify(logits, proposals, ctx.rows)  # [B, k+1], [B]
+                proposed = proposals.lens
 
             new_len = start + counts
             cache = cache.with_lengths(slot_ids, new_len)
@@ -227,9 +243,10 @@ class Engine:
                 proposer=pstate,
             )
             # packed: [B, k+3] = tokens | count | proposed  (one host copy per step)
-            packed = jnp.concatenate([out, counts[:, None], proposals.lens[:, None]], axis=1)
+            packed = jnp.concatenate([out, counts[:, None], proposed[:, None]], axis=1)
             return new_state, packed
 
+        scratch = self.scratch_slot
         return body
 
     def _prefill_body(self, chunk: int, window: int):

@@ -12,7 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.types import Proposals, RowParams
+from jaxspec.menu import TreeEnvelope
+from jaxspec.types import Proposals, RowParams, TreeProposals
 from models.llama import StepInputs
 from models.sharding import Placement
 
@@ -43,6 +44,8 @@ class Proposer:
     tracks_context: bool = False
     #: How many trailing tokens (pending included) `propose` itself feeds before drafting.
     in_step_catch_up: int = 1
+    #: Whether `propose_tree` builds token trees (jaxspec/tree.py) for a menu's tree envelopes.
+    builds_trees: bool = False
 
     def init_state(self, num_slots: int, max_len: int):
         """Device state for `num_slots` slots (+ scratch). Default: none."""
@@ -59,6 +62,11 @@ class Proposer:
 
     def propose(self, params, state, ctx: StepContext, k: int, window: int) -> tuple[Proposals, object]:
         raise NotImplementedError
+
+    def propose_tree(self, params, state, ctx: StepContext, tree: TreeEnvelope,
+                     window: int) -> tuple[TreeProposals, object]:
+        """A deterministic token tree per row inside `tree` (N nodes, at most D deep)."""
+        raise NotImplementedError(f"the {self.name!r} proposer does not build token trees")
 
     def commit(self, state, ctx: StepContext, k: int, n_accepted: jax.Array):
         """After verification: `n_accepted` [B] of the k proposals were kept."""
