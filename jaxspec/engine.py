@@ -34,12 +34,12 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxspec import sampling
+from jaxspec import tree as tree_lib
 from jaxspec.engine_api import prefill_prompt
 from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, MenuMissError, PrefillKey, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.proposers.base import NoProposer, Proposer, StepContext, empty_proposals
 from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, StepResult
-from jaxspec import tree as tree_lib
 from jaxspec.verify import RESIDUAL_KEY, verify, verify_tree
 from models.kv_cache import init_cache
 from models.llama import Llama, chain_inputs, serving_split
