@@ -13,6 +13,9 @@ Closed loop (`--closed-loop 1,4,16`): each concurrency c keeps c requests in fli
 each proposer. Greedy decoding (T = 0), so every policy generates the same tokens for a request and
 only the time differs. Each policy object is fresh per cell (no acceptance history carried over).
 Goodput policies use the device profile (`jaxspec profile`), measured once and cached.
+`--tree N[:D]` adds the proposer `ngram-tree`: prompt lookup on an engine whose k = N step verifies a
+token tree (jaxspec/tree.py) instead of a chain, under `fixed:N` only (goodput does not price
+trees yet); `fixed:N` under `ngram` is then the chain of the same verify width, side by side.
 Metrics: see benchmarks/loadgen.py. Nothing compiles inside a measured run (checked).
 """
 
@@ -67,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=None, help="max running requests (default 8; closed loop: "
                                                                    "the largest concurrency)")
     parser.add_argument("--k-menu", type=_ints, default=(0, 1, 2, 3, 4, 5), help="compiled k values (default 0..5)")
+    parser.add_argument("--tree", default=None, metavar="N[:D]",
+                        help="also run prompt lookup with a token tree of N nodes at most D deep at k = N "
+                             "(proposer 'ngram-tree', under fixed:N only)")
     parser.add_argument("--max-len", type=int, default=None, help="cache length (default prompt cap + output cap + 16)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--quick", action="store_true", help="≤ 10 min on 2 cores: few requests, short outputs, "
@@ -102,21 +108,30 @@ class Settings:
     quick: bool
     progress: bool
     draft_only_on: tuple[str, ...] | None = None  # quick: the draft proposer runs on these workloads only
+    tree: str | None = None  # --tree N[:D]: the `ngram-tree` proposer's envelope
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     from benchmarks.workloads import parse_names
+    from jaxspec.menu import TreeEnvelope
     from jaxspec.policy.spec import PolicySpec
 
     q = args.quick
     workloads = parse_names(args.workloads)
-    proposers = args.proposers or ("ngram", "draft")
-    bad = [p for p in proposers if p not in ("ngram", "draft")]
+    proposers = tuple(args.proposers or ("ngram", "draft"))
+    bad = [p for p in proposers if p not in ("ngram", "draft", "ngram-tree")]
     if bad:
-        raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft")
+        raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft, ngram-tree (with --tree)")
+    tree = getattr(args, "tree", None)
+    if tree is not None:
+        TreeEnvelope.parse(tree)  # a bad envelope fails here
+        proposers = proposers if "ngram-tree" in proposers else proposers + ("ngram-tree",)
+    elif "ngram-tree" in proposers:
+        raise ValueError("proposer ngram-tree needs --tree N[:D]")
     policies = tuple(str(PolicySpec.parse(p)) for p in (args.policies or (QUICK_POLICIES if q else ALL_POLICIES)))
     max_tokens = args.max_tokens or (24 if q else 64)
     max_prompt = args.max_prompt_tokens or (160 if q else 256)
+    tree_k = (TreeEnvelope.parse(tree).nodes,) if tree is not None else ()
     capacity = args.capacity or (max(args.closed_loop) if args.closed_loop else (4 if q else 8))
     if args.closed_loop and max(args.closed_loop) > capacity:
         raise ValueError(f"concurrency {max(args.closed_loop)} exceeds --capacity {capacity}")
@@ -125,9 +140,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         rates=args.rates, fractions=args.load_fractions or ((0.5, 1.3) if q else (0.1, 0.3, 0.6, 0.9, 1.2)),
         closed_loop=args.closed_loop, requests=args.requests or (4 if q else 24), max_tokens=max_tokens,
         max_prompt_tokens=max_prompt, capacity=capacity, k_menu=tuple(args.k_menu),
-        max_len=args.max_len or max_prompt + max_tokens + max(args.k_menu) + 16, ignore_eos=args.ignore_eos,
+        max_len=args.max_len or max_prompt + max_tokens + max(args.k_menu + tree_k) + 16, ignore_eos=args.ignore_eos,
         seed=args.seed, quick=q, progress=not args.no_progress,
-        draft_only_on=("chat",) if q and args.proposers is None else None)
+        draft_only_on=("chat",) if q and args.proposers is None else None, tree=tree)
 
 
 def bench_menu(s: Settings):
@@ -189,6 +204,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
     from benchmarks.workloads import load_workload
     from jaxspec import compile_counter
     from jaxspec.engine import Engine
+    from jaxspec.menu import TreeEnvelope
     from jaxspec.mesh import MeshSpec
     from jaxspec.policy.spec import PolicySpec
 
@@ -202,19 +218,28 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
     plain.warmup(progress=s.progress)
     engines = {}
     for name, prop in proposers.items():
-        engines[name] = Engine(target, prop, menu, mesh=mesh)
+        tree_menu = name == "ngram-tree"
+        engines[name] = Engine(target, prop, menu.with_tree(TreeEnvelope.parse(s.tree)) if tree_menu else menu,
+                               mesh=mesh)
         engines[name].warmup(progress=s.progress)
-        if any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
+        if not tree_menu and any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
             make_bench_policy("goodput", engines[name])  # profile now (cached on disk)
     log(f"warm-up + profiles: {time.perf_counter() - t0:.1f} s")
 
     def runs_for(workload_name):
         return [p for p in proposers if not (p == "draft" and s.draft_only_on and workload_name not in s.draft_only_on)]
 
+    def policies_for(proposer_name):
+        """The policies a proposer runs under; the tree only under fixed:N (its other k are ngram's chains, and
+        goodput does not price trees yet)."""
+        if proposer_name == "ngram-tree":
+            return [spec for spec in s.policies if spec == f"fixed:{TreeEnvelope.parse(s.tree).nodes}"]
+        return [spec for spec in s.policies if spec != "none"]
+
     loads = list(s.closed_loop) if s.closed_loop else None
     n_rates = len(s.rates) if s.rates else len(s.fractions)
     per_point = {w: (1 if "none" in s.policies else 0)
-                 + sum(1 for spec in s.policies if spec != "none") * len(runs_for(w)) for w in s.workloads}
+                 + sum(len(policies_for(p)) for p in runs_for(w)) for w in s.workloads}
     total = sum((len(loads) if loads else n_rates) * per_point[w] for w in s.workloads)
     bar = tqdm(total=total, desc="bench cells", unit="cell", disable=not s.progress)
     records = []
@@ -264,9 +289,8 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                 if base is not None:
                     records.append({**base, "proposer": pname, "draft": draft_label if pname == "draft" else None,
                                     "engine": "plain"})
-                for spec in s.policies:
-                    if spec != "none":
-                        records.append(cell(engines[pname], spec, pname))
+                for spec in policies_for(pname):
+                    records.append(cell(engines[pname], spec, pname))
             if on_record:
                 on_record(records)
             lengths = {tuple(sorted(v.items())) for v in outputs.values()}
@@ -364,8 +388,8 @@ def run(args: argparse.Namespace) -> int:
     mesh = MeshSpec.parse(args.mesh) if args.mesh else MeshSpec()
     built = build_model(model_spec, seed=s.seed, dtype=args.dtype, mesh=mesh)
     proposers = {}
-    for name in s.proposers:
-        proposers[name] = build_proposer(name, built.model, draft_spec, mesh=mesh)
+    for name in s.proposers:  # ngram-tree: the ngram proposer on a menu with the tree envelope (sweep)
+        proposers[name] = build_proposer(name.removesuffix("-tree"), built.model, draft_spec, mesh=mesh)
     started = time.time()
     records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if "draft" in proposers else "",
                     mesh=mesh)

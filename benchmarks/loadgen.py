@@ -144,4 +144,6 @@ def summarize(samples: Sequence[Sample]) -> dict:
         "acceptance": accepted / proposed if proposed else None,
         "proposed": proposed, "accepted": accepted,
         "k_hist": hist, "mean_k": float(np.mean(ks)) if ks else 0.0, "span_s": span,
+        # each decode step emits its accepted proposals plus one token
+        "steps": len(ks), "tokens_per_step": (accepted + len(ks)) / len(ks) if ks else None,
     }

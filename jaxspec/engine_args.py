@@ -49,7 +49,8 @@ class EngineArgs:
                               "'truncated:N' (first N target layers) or a model spec", shown="default")
     ngram: tuple[int, int] = _flag((1, 3), "n-gram sizes tried by --proposer ngram, longest first", shown="1,3",
                                    type=_ngram_range, metavar="MIN,MAX")
-    policy: str | None = _flag(None, f"speculation policy: {POLICY_HELP}", shown="goodput with a proposer, else none")
+    policy: str | None = _flag(None, f"speculation policy: {POLICY_HELP}",
+                               shown="fixed:N with --tree N, else goodput with a proposer, else none")
     menu: str = _flag("default", "engine shape menu: a name in jaxspec/configs/engine.yaml or a YAML file",
                       shown="default")
     tokenizer: str = _flag("model", "'model' (the model's own), or a toy tokenizer for random-weight presets such as "
@@ -106,9 +107,14 @@ class EngineArgs:
         return MeshSpec.parse(self.mesh) if self.mesh is not None else load_mesh(self.menu)
 
     def policy_spec(self) -> PolicySpec:
-        """The parsed --policy (default: goodput with a proposer, else none); ValueError when it needs
-        a proposer and there is none."""
-        spec = PolicySpec.default_for(self.proposer) if self.policy is None else PolicySpec.parse(self.policy)
+        """The parsed --policy (default: fixed:N with --tree N, else goodput with a proposer, else none);
+        ValueError when it needs a proposer and there is none."""
+        if self.policy is not None:
+            spec = PolicySpec.parse(self.policy)
+        elif self.tree is not None:  # the goodput policies do not price trees yet: verify the envelope every step
+            spec = PolicySpec.parse(f"fixed:{self.tree_envelope().nodes}")
+        else:
+            spec = PolicySpec.default_for(self.proposer)
         if spec.needs_proposer and self.proposer == "none":
             raise ValueError(f"policy {str(spec)!r} needs a proposer (--proposer draft|ngram)")
         return spec

@@ -88,7 +88,9 @@ def _generate(args: argparse.Namespace, engine_args: EngineArgs, params: Samplin
         print(f"\njaxspec generate: {result.error}", file=sys.stderr)
         return 1
     stats = result.stats()
-    stats.update(per_step=[{"k": s.k, "proposed": s.proposed, "accepted": s.accepted} for s in result.steps],
+    trees = {t.nodes: str(t) for t in runtime.engine.menu.tree_envelopes}  # k -> "N:D" where a tree runs
+    stats.update(per_step=[{"k": s.k, "proposed": s.proposed, "accepted": s.accepted,
+                            **({"tree": trees[s.k]} if s.k in trees else {})} for s in result.steps],
                  tokens_per_step=len(result.token_ids) / max(len(result.steps), 1),
                  tokens_per_s=len(result.token_ids) / max(stats["total_s"] or 0.0, 1e-9),
                  setup_s=ready - start, model=runtime.model_name, proposer=engine_args.proposer,

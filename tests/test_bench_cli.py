@@ -33,3 +33,22 @@ def test_quick_bench_end_to_end_on_tiny(tmp_path, monkeypatch):
     assert all(set(r["k_hist"]) <= {"0", "1", "2"} for r in records)  # per-row k: caps near max_tokens
     assert (out / "bench_latency_ngram.png").stat().st_size > 1000
     assert result["checks"]["goodput_vs_best_fixed"] and "machine" in result["meta"]
+
+
+def test_bench_with_a_tree_runs_the_tree_beside_the_chain_of_the_same_width(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(tmp_path / "profiles"))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny", "--proposers", "ngram", "--workloads", "code",
+                              "--policies", "none,fixed:4,goodput", "--tree", "4:2",
+                              "--k-menu", "0,4", "--capacity", "2", "--requests", "2", "--max-tokens", "8",
+                              "--max-prompt-tokens", "120", "--load-fractions", "0.5", "--no-progress", "--no-plots",
+                              "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "out")])
+    assert cli.run(args) == 0
+    records = json.loads((tmp_path / "r.json").read_text())["records"]
+    cells = {(r["proposer"], r["policy"]) for r in records}
+    # the tree runs under the fixed policy only (goodput prices chains); none and the chain beside it
+    assert cells == {("ngram", "none"), ("ngram", "fixed:4"), ("ngram", "goodput"), ("ngram-tree", "none"),
+                     ("ngram-tree", "fixed:4")}
+    for r in records:
+        assert r["errors"] == 0 and r["tokens_per_step"] >= 1.0

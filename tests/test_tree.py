@@ -153,6 +153,7 @@ MENU = Menu(num_slots=3, max_len=128, batch_buckets=(1, 2, 3), k_menu=(0, 4, 6),
 
 @pytest.fixture(scope="module")
 def tree_engine(tiny_model):
+    compile_counter.install()
     engine = Engine(tiny_model, PromptLookupProposer(1, 3), MENU.with_tree(TreeEnvelope(6, 3)))
     engine.warmup(progress=False)
     return engine
@@ -209,3 +210,39 @@ def test_tree_steps_equal_plain_greedy_decoding_in_a_mixed_batch(tiny_model, tre
                     out[s] = [engine.prefill(s, prompts[p], greedy)]
     assert compile_counter.count() == compiles
     assert max(tree_tokens) > 1  # trees did accept tokens
+
+
+def test_real_smollm2_tree_steps_equal_plain_greedy_decoding():
+    """The real default model on a code-editing prompt (the answer repeats the input, so the trie has
+    real branches): tree steps of 8 nodes at most 4 deep give the plain engine's greedy tokens, accept
+    more than one token per step on average, and compile nothing after warm-up."""
+    from jaxspec.build import build_model
+
+    built = build_model(None)
+    menu = Menu(num_slots=1, max_len=512, batch_buckets=(1,), k_menu=(0, 8), window_buckets=(512,),
+                prefill_buckets=(256,))
+    source = ("def add_numbers(first, second):\n    total = first + second\n    return total\n\n"
+              "def multiply_numbers(first, second):\n    product = first * second\n    return product\n")
+    text = built.tokenizer.apply_chat_template([{"role": "user", "content": source + "\nRename `first` to `a` "
+                                                 "and `second` to `b` in both functions; return the whole code."}])
+    prompt = built.tokenizer.encode(text)
+    greedy = SamplingParams(temperature=0.0)
+
+    compile_counter.install()
+
+    def decode(engine, k, n=48):
+        engine.warmup(progress=False)
+        compiles = compile_counter.count()
+        out, steps = [engine.prefill(0, prompt, greedy)], 0
+        while len(out) < n:
+            result = engine.step([0], k)
+            out += [int(t) for t in result.tokens[0, :result.counts[0]]]
+            steps += 1
+        return out[:n], steps, compile_counter.count() - compiles
+
+    plain, _, _ = decode(Engine(built.model, None, menu), 0)
+    tree_engine = Engine(built.model, PromptLookupProposer(1, 3), menu.with_tree(TreeEnvelope(8, 4)))
+    tree_out, steps, compiles = decode(tree_engine, 8)
+    assert tree_out == plain
+    assert compiles == 0
+    assert steps < len(plain) - 1  # some step accepted proposals
