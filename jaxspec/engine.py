@@ -200,13 +200,13 @@ class Engine:
             start = state.cache.lengths[slot_ids]  # [B]
             pending = state.pending[slot_ids]  # [B]
             ctx = StepContext(slot_ids=slot_ids, start=start, history=state.history, rows=self._rows(state, slot_ids))
-            if tree is not None:  # a token tree of k = N nodes (jaxspec/tree.py)
+            if tree is not None:  # a token tree of k nodes (jaxspec/tree.py)
                 nodes, pstate = proposer.propose_tree(proposer_params, state.proposer, ctx, tree, window)
                 # row b verifies nodes 1 .. min(lens, row_k[b]): a parent-closed prefix at most that deep
-                valid = jnp.arange(k)[None, :] < jnp.minimum(nodes.lens, row_k)[:, None]  # [B, N]
+                valid = jnp.arange(k)[None, :] < jnp.minimum(nodes.lens, row_k)[:, None]  # [B, k]
                 logits, cache = target.forward_cached(
                     tree_lib.tree_inputs(pending, nodes, valid, slot_ids, start, tree.depth), state.cache, window,
-                    layers=layers)  # [B, N+1, V]
+                    layers=layers)  # [B, k+1, V]
                 out, counts, path = verify_tree(logits, *tree_lib.with_root(nodes, valid), ctx.rows, tree.depth)
                 cache = tree_lib.compact(cache, slot_ids, start, path)  # the accepted path where a chain has it
                 proposed = jnp.sum(valid, axis=1).astype(jnp.int32)  # [B]

@@ -12,9 +12,9 @@ len_i .. len_i + c_i; what a row writes past its cap is padding, never attended.
     needed = max_i (len_i + c_i) + 1                      cache positions the step attends over
     window = the smallest window bucket ≥ needed
 
-A tree envelope (`TreeEnvelope`: N proposal nodes, at most D deep) takes the place of the chain at
-k = N in the menu: the step verifies N + 1 tokens per row (the pending token and the N nodes) at
-the same window and caps arithmetic as a chain of k = N (a row capped at c verifies only nodes
+A tree envelope (`TreeEnvelope`: k proposal nodes, at most Z deep) takes the place of the chain at
+that k in the menu: the step verifies k + 1 tokens per row (the pending token and the k nodes) at
+the same window and caps arithmetic as a chain of k (a row capped at c verifies only nodes
 1..c, which are at most c deep), so every rule above holds for trees unchanged.
 
 A batch whose rows are all capped at 0 runs the k = 0 executable (and no draft catch-up); a long
@@ -68,8 +68,9 @@ ShapeKey = StepKey | PrefillKey | CatchUpKey
 
 @dataclasses.dataclass(frozen=True, order=True)
 class TreeEnvelope:
-    """A static token-tree shape: `nodes` proposals (N, the verify width less the pending token), at
-    most `depth` (D) deep. D = N is the chain. Parsed from `--tree N[:D]`; D defaults to ceil(N / 2)."""
+    """A static token-tree shape: `nodes` proposals (k, the verify width less the pending token), at
+    most `depth` (Z) deep; depth = nodes is the chain. Parsed from `--tree N[:D]` (nodes N, depth D,
+    which defaults to ceil(N / 2))."""
 
     nodes: int
     depth: int

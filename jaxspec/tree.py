@@ -1,7 +1,7 @@
 """Token trees inside a static envelope (docs/design.md, "Token trees").
 
-A step over a tree scores T = N + 1 tokens per row in one target pass: the row's pending token (the
-root, node 0) and the N proposed nodes of a `TreeProposals` (node i is column i). Node i is written
+A step over a tree scores T = k + 1 tokens per row in one target pass: the row's pending token (the
+root, node 0) and the k proposed nodes of a `TreeProposals` (node i is column i). Node i is written
 to cache position start + i and rotated at position start + depth_i; it attends to the committed
 history and to its own ancestors (and itself). For the tree
 
@@ -20,7 +20,7 @@ After verification the accepted root path (e.g. root, a, b) is moved to the posi
 have used (start, start + 1, start + 2: `compact`), so the next step finds a plain contiguous cache.
 A chain is the tree whose node i has parent i − 1.
 
-Dimension names as everywhere (docs/design.md): B rows, T = N + 1 tokens per row, N nodes, D depth.
+Dimension names as everywhere (docs/design.md): B rows, k nodes, T = k + 1 tokens per row, Z the depth.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from models.llama import StepInputs
 
 def with_root(proposals: TreeProposals, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens, parents, depth), each [B, T]: the root (column 0: token -1, its own parent, depth 0)
-    then the N nodes; invalid nodes get token -1, which no drawn token equals."""
+    then the k nodes; invalid nodes get token -1, which no drawn token equals."""
     b = proposals.token_ids.shape[0]
     zeros = jnp.zeros((b, 1), jnp.int32)
     tokens = jnp.concatenate([zeros - 1, jnp.where(valid, proposals.token_ids, -1)], axis=1)  # [B, T]
@@ -66,13 +66,13 @@ def tree_inputs(pending: jax.Array, proposals: TreeProposals, valid: jax.Array, 
 
 def root_path(accepted: jax.Array, parents: jax.Array, depth: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
     """(deepest, path): the deepest accepted node [B] (the lowest index among equals) and the node at
-    each depth on its root path, path [B, D + 1] (column j > depth(deepest) holds j: compaction leaves
+    each depth on its root path, path [B, Z + 1] (column j > depth(deepest) holds j: compaction leaves
     those positions alone). accepted, parents, depth: [B, T]."""
     b, t = accepted.shape
     index = jnp.arange(t, dtype=jnp.int32)[None, :]
     score = jnp.where(accepted, depth * (t + 1) + (t - index), -1)  # [B, T] deepest first, then lowest index
     deepest = jnp.argmax(score, axis=1).astype(jnp.int32)  # [B]
-    path = jnp.broadcast_to(jnp.arange(max_depth + 1, dtype=jnp.int32), (b, max_depth + 1))  # [B, D+1]
+    path = jnp.broadcast_to(jnp.arange(max_depth + 1, dtype=jnp.int32), (b, max_depth + 1))  # [B, Z+1]
     rows = jnp.arange(b)
     node = deepest
     for _ in range(max_depth + 1):
@@ -82,14 +82,14 @@ def root_path(accepted: jax.Array, parents: jax.Array, depth: jax.Array, max_dep
 
 
 def compact(cache: KVCache, slot_ids: jax.Array, start: jax.Array, path: jax.Array) -> KVCache:
-    """Move the keys and values of each row's accepted path (nodes path [B, D+1], written at start + node)
+    """Move the keys and values of each row's accepted path (nodes path [B, Z+1], written at start + node)
     to start + depth, where the next step expects them, in every layer (lengths are not changed)."""
-    src = start[:, None] + path  # [B, D+1] positions the nodes were written at
-    dst = start[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]  # [B, D+1]
+    src = start[:, None] + path  # [B, Z+1] positions the nodes were written at
+    dst = start[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]  # [B, Z+1]
     slots = slot_ids[:, None]  # [B, 1]
 
     def move(buffer):  # [S+1, M, G, H]
-        rows = buffer[slots, jnp.minimum(src, buffer.shape[1] - 1)]  # [B, D+1, G, H]
+        rows = buffer[slots, jnp.minimum(src, buffer.shape[1] - 1)]  # [B, Z+1, G, H]
         return buffer.at[slots, dst].set(rows, mode="drop")
 
     return KVCache(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v), lengths=cache.lengths)

@@ -83,12 +83,12 @@ class Proposals:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TreeProposals:
-    """A token tree per row, inside a static envelope of N nodes at most D deep (jaxspec/tree.py).
+    """A token tree per row, inside a static envelope of k nodes at most Z deep (jaxspec/tree.py).
 
-    token_ids: [B, N] int32 node tokens (padding past `lens` is ignored).
-    parents:   [B, N] int32 parent of node n + 1 in the step's numbering: 0 is the root (the row's
+    token_ids: [B, k] int32 node tokens (padding past `lens` is ignored).
+    parents:   [B, k] int32 parent of node n + 1 in the step's numbering: 0 is the root (the row's
                pending token), i ≥ 1 is node i. Nodes are topologically ordered: parents[b, n] ≤ n.
-    depth:     [B, N] int32 depth of each node (1 = a child of the root), ≤ D.
+    depth:     [B, k] int32 depth of each node (1 = a child of the root), ≤ Z.
     lens:      [B] int32 real nodes per row: nodes 0 .. lens - 1 (a prefix closed under parents).
     Siblings carry distinct tokens. Point masses (no q): a proposer builds its tree deterministically
     from the context, which is what makes `verify.verify_tree` exact (see its docstring).

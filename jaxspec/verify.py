@@ -118,7 +118,7 @@ def verify_tree(target_logits: jax.Array, tokens: jax.Array, parents: jax.Array,
 
     target_logits [B, T, V] (node t's next-token scores); tokens, parents, depth [B, T] from
     `tree.with_root` (invalid nodes carry token -1). Returns (out [B, T] emitted tokens then -1,
-    counts [B], path [B, D+1] the accepted root path for `tree.compact`).
+    counts [B], path [B, Z+1] the accepted root path for `tree.compact`).
 
     At every node the target draws x_t: its argmax for greedy rows, else a sample of warp(p_t) with
     a key for the node's depth. Starting at the root, the walk moves to the child whose token equals
@@ -150,7 +150,7 @@ def verify_tree(target_logits: jax.Array, tokens: jax.Array, parents: jax.Array,
     n_accepted = jnp.take_along_axis(depth, deepest[:, None], axis=1)[:, 0]  # [B]
     # out: [B, T] = path tokens 1..n_accepted, x of the deepest node, then -1
     column = jnp.arange(t, dtype=jnp.int32)[None, :]
-    path_tokens = jnp.take_along_axis(tokens, jnp.minimum(path[:, 1:], t - 1), axis=1)  # [B, D]
+    path_tokens = jnp.take_along_axis(tokens, jnp.minimum(path[:, 1:], t - 1), axis=1)  # [B, Z]
     path_tokens = jnp.pad(path_tokens, ((0, 0), (0, t - max_depth)), constant_values=-1)  # [B, T]
     out = jnp.where(column < n_accepted[:, None], path_tokens, -1)
     out = jnp.where(column == n_accepted[:, None], jnp.take_along_axis(x, deepest[:, None], axis=1), out)

@@ -2,8 +2,9 @@
 context's last n tokens. Batched on device; proposals are point masses (no [B, k, V] one-hots).
 
 As a token tree (`propose_tree`): the continuations of several earlier occurrences (longest n
-first, most recent first, one per distinct continuation start) merged into a trie of at most N
-nodes, each continuation at most D tokens long.
+first, most recent first, one per distinct continuation start) merged into a trie of at most k
+nodes, each continuation at most Z tokens long (Y continuations, Q match candidates: docs/design.md,
+"Dimension names").
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class PromptLookupProposer(Proposer):
         return Proposals(token_ids=tokens.astype(jnp.int32), lens=lens, draft_probs=None), state
 
     def propose_tree(self, params, state, ctx: StepContext, tree: TreeEnvelope, window: int):
-        """The trie of up to C = ceil(N / D) + 2 continuations (see the module doc), nodes numbered
+        """The trie of up to Y = ceil(k / Z) + 2 continuations (see the module doc), nodes numbered
         continuation by continuation (the preferred one first, so its path is the chain `propose`
         would give), each continuation's new nodes by depth; a node's parent always comes first."""
         hist = ctx.history[ctx.slot_ids]  # [B, M]
@@ -72,41 +73,41 @@ class PromptLookupProposer(Proposer):
         n_nodes, d = tree.nodes, tree.depth
         c = -(-n_nodes // d) + 2
         cur = ctx.start + 1  # [B] valid tokens: history[0 .. start] (pending included)
-        starts = []  # continuation starts in preference order: [B, C] per n
+        starts = []  # continuation starts in preference order: [B, Y] per n
         for n, valid in self._matches(hist, cur):
             j = jnp.arange(valid.shape[1], dtype=jnp.int32)[None, :]
-            latest = jax.lax.top_k(jnp.where(valid, j, -1), min(c, valid.shape[1]))[0]  # [B, C] most recent first
+            latest = jax.lax.top_k(jnp.where(valid, j, -1), min(c, valid.shape[1]))[0]  # [B, Y] most recent first
             starts.append(jnp.where(latest >= 0, latest + n, -1))
-        starts = jnp.concatenate(starts, axis=1)  # [B, L]
+        starts = jnp.concatenate(starts, axis=1)  # [B, Q]
         n_starts = starts.shape[1]
         # a match of n tokens at j is one of n - 1 at j + 1 too: keep each continuation start once
-        earlier = jnp.tril(jnp.ones((n_starts, n_starts), bool), -1)  # [L, L] earlier[i, i'] iff i' < i
-        repeated = jnp.any((starts[:, :, None] == starts[:, None, :]) & earlier[None], axis=2)  # [B, L]
+        earlier = jnp.tril(jnp.ones((n_starts, n_starts), bool), -1)  # [Q, Q] earlier[i, i'] iff i' < i
+        repeated = jnp.any((starts[:, :, None] == starts[:, None, :]) & earlier[None], axis=2)  # [B, Q]
         keep = (starts >= 0) & ~repeated
         rank = jnp.where(keep, 0, n_starts) + jnp.arange(n_starts)[None, :]  # kept ones first, in order
-        order = jnp.argsort(rank, axis=1)[:, :c]  # [B, C]
-        cand = jnp.take_along_axis(starts, order, axis=1)  # [B, C]
-        cand_ok = jnp.take_along_axis(keep, order, axis=1)  # [B, C]
-        # continuations: cont [B, C, D] = hist[b, cand + e], real while committed (pending included)
-        pos = cand[:, :, None] + jnp.arange(d)[None, None, :]  # [B, C, D]
-        ok = cand_ok[:, :, None] & (pos < cur[:, None, None])  # [B, C, D], a prefix per continuation
+        order = jnp.argsort(rank, axis=1)[:, :c]  # [B, Y]
+        cand = jnp.take_along_axis(starts, order, axis=1)  # [B, Y]
+        cand_ok = jnp.take_along_axis(keep, order, axis=1)  # [B, Y]
+        # continuations: cont [B, Y, Z] = hist[b, cand + e], real while committed (pending included)
+        pos = cand[:, :, None] + jnp.arange(d)[None, None, :]  # [B, Y, Z]
+        ok = cand_ok[:, :, None] & (pos < cur[:, None, None])  # [B, Y, Z], a prefix per continuation
         cont = jnp.take_along_axis(hist, jnp.clip(pos, 0, m - 1).reshape(b, c * d), axis=1).reshape(b, c, d)
         # owner[b, c, e]: the first continuation sharing c's first e + 1 tokens (c itself where ok)
-        same = (cont[:, :, None, :] == cont[:, None, :, :]) & ok[:, :, None, :] & ok[:, None, :, :]  # [B, C, C', D]
-        same_prefix = jnp.cumprod(same.astype(jnp.int32), axis=3) > 0  # [B, C, C', D]
-        owner = jnp.argmax(same_prefix, axis=2).astype(jnp.int32)  # [B, C, D]
-        new_node = ok & (owner == jnp.arange(c)[None, :, None])  # [B, C, D] a trie node first seen here
-        index = jnp.cumsum(new_node.reshape(b, c * d), axis=1).reshape(b, c, d) - 1  # [B, C, D] node number
+        same = (cont[:, :, None, :] == cont[:, None, :, :]) & ok[:, :, None, :] & ok[:, None, :, :]  # [B, Y, Y', Z]
+        same_prefix = jnp.cumprod(same.astype(jnp.int32), axis=3) > 0  # [B, Y, Y', Z]
+        owner = jnp.argmax(same_prefix, axis=2).astype(jnp.int32)  # [B, Y, Z]
+        new_node = ok & (owner == jnp.arange(c)[None, :, None])  # [B, Y, Z] a trie node first seen here
+        index = jnp.cumsum(new_node.reshape(b, c * d), axis=1).reshape(b, c, d) - 1  # [B, Y, Z] node number
         kept = new_node & (index < n_nodes)
-        node_id = jnp.where(kept, index + 1, 0)  # [B, C, D] 1-based id in the step's numbering
+        node_id = jnp.where(kept, index + 1, 0)  # [B, Y, Z] 1-based id in the step's numbering
         # parent of (c, e >= 1): the node of (owner(c, e - 1), e - 1); of (c, 0): the root
-        parent = jnp.take_along_axis(node_id[:, :, :-1], owner[:, :, :-1], axis=1)  # [B, C, D-1]
-        parent = jnp.concatenate([jnp.zeros((b, c, 1), jnp.int32), parent], axis=2)  # [B, C, D]
+        parent = jnp.take_along_axis(node_id[:, :, :-1], owner[:, :, :-1], axis=1)  # [B, Y, Z-1]
+        parent = jnp.concatenate([jnp.zeros((b, c, 1), jnp.int32), parent], axis=2)  # [B, Y, Z]
         depth = jnp.broadcast_to(jnp.arange(1, d + 1, dtype=jnp.int32), (b, c, d))
-        target = jnp.where(kept, index, n_nodes).reshape(b, c * d)  # [B, C·D]; n_nodes = dropped
+        target = jnp.where(kept, index, n_nodes).reshape(b, c * d)  # [B, Y·Z]; n_nodes = dropped
         rows = jnp.arange(b)[:, None]
 
-        def scatter(values):  # [B, C, D] -> [B, N]
+        def scatter(values):  # [B, Y, Z] -> [B, k]
             return jnp.zeros((b, n_nodes), jnp.int32).at[rows, target].set(values.reshape(b, c * d), mode="drop")
 
         lens = jnp.minimum(jnp.sum(new_node, axis=(1, 2)), n_nodes).astype(jnp.int32)
