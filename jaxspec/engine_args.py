@@ -50,7 +50,7 @@ class EngineArgs:
     ngram: tuple[int, int] = _flag((1, 3), "n-gram sizes tried by --proposer ngram, longest first", shown="1,3",
                                    type=_ngram_range, metavar="MIN,MAX")
     policy: str | None = _flag(None, f"speculation policy: {POLICY_HELP}",
-                               shown="fixed:N with --tree N, else goodput with a proposer, else none")
+                               shown="goodput with a proposer, else none")
     menu: str = _flag("default", "engine shape menu: a name in jaxspec/configs/engine.yaml or a YAML file",
                       shown="default")
     tokenizer: str = _flag("model", "'model' (the model's own), or a toy tokenizer for random-weight presets such as "
@@ -61,7 +61,8 @@ class EngineArgs:
                        metavar="|".join(DTYPES))
     tree: str | None = _flag(None, "token-tree envelope N[:D] (--proposer ngram): the step at k = N verifies a tree "
                              "of N proposals at most D deep (default D = ceil(N/2)) in place of the chain of N; "
-                             "with --policy fixed:N every step does", shown="none: chains only", metavar="N[:D]")
+                             "goodput picks it when it pays, --policy fixed:N every step", shown="none: chains only",
+                             metavar="N[:D]")
     mesh: str | None = _flag(None, "device mesh: 'data=D,model=M' (KV cache slots over D devices, tensor parallel over "
                              "M); overrides the engine config's mesh", shown="the engine config's, else data=1,model=1",
                              metavar="data=D,model=M")
@@ -84,9 +85,9 @@ class EngineArgs:
             if self.proposer != "ngram":
                 raise ValueError(f"--tree needs --proposer ngram (token trees from a {self.proposer!r} proposer are "
                                  f"not implemented)")
-            if self.policy_spec().needs_cost_model:
-                raise ValueError(f"--tree with --policy {self.policy_spec()} is not implemented yet (the goodput "
-                                 f"policies price chains only): use --policy fixed:N, heuristic or table")
+            if self.policy_spec().name == "goodput-per-request":
+                raise ValueError("--tree with --policy goodput-per-request is not implemented (its per-row k "
+                                 "prices chains only): use --policy goodput, fixed:N, heuristic or table")
 
     def tree_envelope(self):
         """The parsed --tree (a jaxspec.menu.TreeEnvelope), or None."""
@@ -107,14 +108,9 @@ class EngineArgs:
         return MeshSpec.parse(self.mesh) if self.mesh is not None else load_mesh(self.menu)
 
     def policy_spec(self) -> PolicySpec:
-        """The parsed --policy (default: fixed:N with --tree N, else goodput with a proposer, else none);
-        ValueError when it needs a proposer and there is none."""
-        if self.policy is not None:
-            spec = PolicySpec.parse(self.policy)
-        elif self.tree is not None:  # the goodput policies do not price trees yet: verify the envelope every step
-            spec = PolicySpec.parse(f"fixed:{self.tree_envelope().nodes}")
-        else:
-            spec = PolicySpec.default_for(self.proposer)
+        """The parsed --policy (default: goodput with a proposer, else none); ValueError when it needs
+        a proposer and there is none."""
+        spec = PolicySpec.default_for(self.proposer) if self.policy is None else PolicySpec.parse(self.policy)
         if spec.needs_proposer and self.proposer == "none":
             raise ValueError(f"policy {str(spec)!r} needs a proposer (--proposer draft|ngram)")
         return spec

@@ -54,7 +54,9 @@ def device_kind() -> str:
 def profile_key(engine, kind: str | None = None) -> ProfileKey:
     """The key a profile of this engine is saved and looked up under."""
     c = engine.menu
-    return ProfileKey(device_kind=kind or device_kind(), model=engine.model_name, draft=engine.proposer_name,
+    # a tree envelope runs at its k in place of the chain there: a profile of one is not the other's
+    trees = "".join(f"+tree{t}" for t in c.tree_envelopes)
+    return ProfileKey(device_kind=kind or device_kind(), model=engine.model_name, draft=engine.proposer_name + trees,
                       batch_buckets=c.batch_buckets, k_menu=c.k_menu, window_buckets=c.window_buckets,
                       dtype=engine.dtype, mesh=str(engine.mesh_spec))
 

@@ -393,6 +393,7 @@ class Scheduler:
             k_menu=engine.menu.k_menu,
             batch_bucket=engine.menu.batch_bucket(len(rows)),
             catch_up_calls=tuple(len(engine.catch_up_plan(s)) for s in slots),
+            trees=engine.menu.tree_envelopes,
         )
         return view, room
 

@@ -180,6 +180,53 @@ class AcceptanceTracker:
         return len(self._requests)
 
 
+class TreeYieldTracker:
+    """Tokens accepted per step of a token-tree envelope, per request and proposer-wide.
+
+    A tree step's accepted count is not a chain's truncated per-token trials (a rejected first branch
+    can be followed by an accepted second), so trees keep their own estimate: a discounted mean of the
+    accepted tokens of full-envelope steps (rows capped below the envelope are no evidence), shrunk
+    toward a prior of m pseudo-steps. The prior is the proposer-wide mean for the envelope, itself
+    shrunk toward `chain_prior`: the chain's prediction over the tree's depth, Σ_{j=1..Z} α^j, which a
+    trie that keeps the preferred continuation first can only exceed. With the request's counts
+    (s, t) and the global ones (S, T), per envelope::
+
+        g = (S + m·chain_prior) / (T + m),     E_tree = 1 + (s + m·g) / (t + m)      bonus included
+    """
+
+    def __init__(self, config: AcceptanceConfig = AcceptanceConfig()):
+        self.config = config
+        self._global: dict[int, list[float]] = {}  # k -> [S, T]
+        self._requests: dict[tuple[Hashable, int], list[float]] = {}  # (request, k) -> [s, t]
+        self._steps: dict[int, int] = {}  # k -> full-envelope steps observed (undiscounted)
+
+    def observe(self, request_id: Hashable, k: int, accepted: int) -> None:
+        """One full-envelope step of the tree at k that accepted `accepted` nodes."""
+        if accepted < 0:
+            raise ValueError(f"accepted must be >= 0, got {accepted}")
+        for counts, decay in ((self._requests.setdefault((request_id, k), [0.0, 0.0]), self.config.request_decay),
+                              (self._global.setdefault(k, [0.0, 0.0]), self.config.global_decay)):
+            counts[0] = decay * counts[0] + accepted
+            counts[1] = decay * counts[1] + 1.0
+        self._steps[k] = self._steps.get(k, 0) + 1
+
+    def steps(self, k: int) -> int:
+        """Full-envelope steps of the tree at k observed so far (the evidence behind its estimate)."""
+        return self._steps.get(k, 0)
+
+    def expected(self, request_id: Hashable, k: int, chain_prior: float) -> float:
+        """E_tree for a request's next full-envelope step at k (see the class doc)."""
+        m = self.config.prior_strength
+        big_s, big_t = self._global.get(k, (0.0, 0.0))
+        g = (big_s + m * chain_prior) / (big_t + m)
+        s, t = self._requests.get((request_id, k), (0.0, 0.0))
+        return 1.0 + (s + m * g) / (t + m)
+
+    def forget(self, request_id: Hashable) -> None:
+        for key in [key for key in self._requests if key[0] == request_id]:
+            del self._requests[key]
+
+
 def expected_tokens(alpha: float | np.ndarray, k: int | np.ndarray) -> np.ndarray:
     """E(k) = Σ_{j=0..k} α^j = (1 − α^{k+1}) / (1 − α), bonus token included; E = k+1 at α = 1.
 

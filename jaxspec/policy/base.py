@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable
 
+from jaxspec.menu import TreeEnvelope
 from jaxspec.types import StepResult
 
 
@@ -24,6 +25,8 @@ class BatchView:
     batch_bucket: the padded batch size this step will run at.
     catch_up_calls: per row, the draft catch-up calls a step with k > 0 would run first (the
                   draft skipped the tokens committed by k = 0 steps); () when not tracked.
+    trees:        the menu's token-tree envelopes (jaxspec.menu.TreeEnvelope): each runs at its k
+                  in place of the chain there.
     """
 
     request_ids: tuple[Hashable, ...]
@@ -32,10 +35,15 @@ class BatchView:
     k_menu: tuple[int, ...]
     batch_bucket: int
     catch_up_calls: tuple[int, ...] = ()
+    trees: tuple[TreeEnvelope, ...] = ()
 
     @property
     def batch_size(self) -> int:
         return len(self.request_ids)
+
+    def tree_at(self, k: int) -> TreeEnvelope | None:
+        """The tree envelope that runs at k, or None for a chain."""
+        return next((t for t in self.trees if t.nodes == k), None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,6 +52,16 @@ policy: goodput is unimodal in k in practice, and a better neighbour, once measu
 At most one decision in `explore_every` explores, giving up at most `explore_margin` of the
 predicted goodput. (An explored k = 0 step leaves the draft one more token to catch up.)
 
+Token trees: a menu k that runs a tree envelope (`BatchView.trees`) is priced with the tree's own
+expected tokens, E_i = `TreeYieldTracker.expected` (measured tokens per full-envelope tree step,
+with the chain's prediction over the tree's depth, E_i(Z) − 1, as the prior), at its own profiled
+cost T(B, k, W); a row capped below the envelope is priced as the chain of its cap. Tree steps update
+the tree estimate only (their accepted counts are not per-token chain trials). Cold start, per tree:
+until the tree has `explore_trials` full-envelope steps of evidence it is evaluated at Z + 1 tokens
+(every node of one path accepted), so a tree is tried once the chains' own cold start is over, and its
+measured yield takes over after those few steps (a tree far from the best chain in k would never be
+reached by neighbour exploration).
+
 Feasibility: an option needs a window for its shape (the engine's capacity check); a menu value
 above every row's cap runs as a smaller one and is evaluated once, as that one.
 """
@@ -65,7 +75,7 @@ from collections.abc import Hashable
 import numpy as np
 
 from jaxspec.menu import StepShape
-from jaxspec.policy.acceptance import AcceptanceTracker, expected_tokens
+from jaxspec.policy.acceptance import AcceptanceConfig, AcceptanceTracker, TreeYieldTracker, expected_tokens
 from jaxspec.policy.base import BatchView, Decision, Policy
 from jaxspec.policy.cost_model import CostModel, CostModelError
 from jaxspec.policy.decision_log import DecisionLog
@@ -128,6 +138,9 @@ class GoodputPolicy(Policy):
                  config: GoodputConfig = GoodputConfig()):
         self.cost = cost_model
         self.acceptance = acceptance if acceptance is not None else AcceptanceTracker()
+        # tree estimates share the acceptance estimator's prior and memory settings
+        self.trees = TreeYieldTracker(self.acceptance.config if isinstance(self.acceptance, AcceptanceTracker)
+                                      else AcceptanceConfig())
         self.config = config
         self.log = DecisionLog(config.log_size)
         self._last: tuple[Decision, Option, bool] | None = None
@@ -176,9 +189,21 @@ class GoodputPolicy(Policy):
                                  f"(windows {self.cost.window_buckets})")
         return shapes
 
+    def row_tokens(self, view: BatchView, e: np.ndarray, shape: StepShape) -> list[float]:
+        """Expected tokens of each row in a step of this shape: E_i(k_i) for a chain; for a tree, the
+        tree's estimate for a row at the full envelope, the chain of its cap for a capped row."""
+        tree = view.tree_at(shape.k)
+        if tree is None:
+            return [e[i, ki] for i, ki in enumerate(shape.caps)]
+        if self.trees.steps(shape.k) < self.config.explore_trials:  # cold start: try the tree
+            return [tree.depth + 1.0 if ki == shape.k else e[i, ki] for i, ki in enumerate(shape.caps)]
+        depth = min(tree.depth, e.shape[1] - 1)
+        return [self.trees.expected(rid, shape.k, chain_prior=e[i, depth] - 1.0) if ki == shape.k else e[i, ki]
+                for i, (rid, ki) in enumerate(zip(view.request_ids, shape.caps, strict=True))]
+
     def allocate(self, view: BatchView, e: np.ndarray, shape: StepShape) -> Option:
         """Uniform k: every row at min(k, cap_i), as the shape says."""
-        tokens = float(sum(e[i, ki] for i, ki in enumerate(shape.caps)))
+        tokens = float(sum(self.row_tokens(view, e, shape)))
         seconds = self.cost.step_time(view.batch_bucket, shape.k, shape.window, shape.real_tokens)
         return Option(shape.k, shape.caps, tokens, seconds, shape)
 
@@ -244,10 +269,15 @@ class GoodputPolicy(Policy):
             raise ValueError(f"step result has {len(result.counts)} rows for a batch of {n}")
         # the shape the engine ran (the same function it runs steps with)
         shape = self.cost.shape(view.context_lens, decision.row_k, decision.k, view.k_menu)
+        tree = view.tree_at(shape.k)
         for i, rid in enumerate(view.request_ids):
             proposed, accepted = int(result.proposed[i]), int(result.accepted[i])
             if proposed > shape.caps[i]:
                 raise ValueError(f"row {i} verified {proposed} proposals but was allowed {shape.caps[i]}")
+            if tree is not None:  # tree evidence only, from rows at the full envelope
+                if shape.caps[i] == shape.k:
+                    self.trees.observe(rid, shape.k, accepted)
+                continue
             trials = shape.caps[i] if self.config.short_proposal_is_rejection else proposed
             self.acceptance.observe(rid, accepted, trials)
         if result.catch_up_calls:
@@ -264,6 +294,7 @@ class GoodputPolicy(Policy):
 
     def forget(self, request_id: Hashable) -> None:
         self.acceptance.forget(request_id)
+        self.trees.forget(request_id)
 
 
 class GoodputPerRequestPolicy(GoodputPolicy):
@@ -272,6 +303,8 @@ class GoodputPerRequestPolicy(GoodputPolicy):
     name = "goodput-per-request"
 
     def allocate(self, view: BatchView, e: np.ndarray, shape: StepShape) -> Option:
+        if view.trees:
+            raise ValueError("goodput-per-request does not price token trees (use goodput)")
         b, n, k, window = view.batch_bucket, view.batch_size, shape.k, shape.window
         caps = shape.caps
         c = self.cost.real_token_time(b, k, window)  # seconds per added real token
