@@ -32,6 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from jaxspec.engine_api import prefill_prompt
+from jaxspec.menu import CapacityError
 from jaxspec.policy.cost_model import CostEntry, CostProfile, ProfileKey, default_profile_dir
 
 PROBE_PAIRS = 8  # minimum full/capped pairs per batch bucket in the real-token probe
@@ -91,8 +92,11 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
         return c.step_shape([engine.length(r) for r in rows], row_k, k)
 
     def ensure_window(rows: list[int], k: int, window: int, ctx: int, row_k: list[int] | None) -> None:
-        shape = shape_of(rows, k, row_k)  # growth may also overrun the largest window
-        if shape.needed > c.max_len or shape.window != window:
+        try:
+            moved = shape_of(rows, k, row_k).window != window
+        except CapacityError:  # growth overran the largest window
+            moved = True
+        if moved:
             for s in rows:
                 prefill_prompt(engine, s, prompt(ctx), params, seed=0)
 

@@ -39,6 +39,11 @@ def jaxspec(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
      "valid model sizes: 1, 2, 4"),
     (("generate", "hi", "--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--mesh", "data=4,model=4"),
      "needs 16 devices"),
+    (("generate", "hi", "--proposer", "ngram", "--tree", "4:9"), "1 <= depth <= nodes"),
+    (("generate", "hi", "--proposer", "ngram", "--tree", "x"), "expected N or N:D"),
+    (("generate", "hi", "--proposer", "draft", "--tree", "4"), "--tree needs --proposer ngram"),
+    (("generate", "hi", "--proposer", "ngram", "--tree", "4", "--policy", "goodput-per-request"),
+     "goodput-per-request"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message):
     result = jaxspec(*argv)
@@ -161,3 +166,13 @@ def test_generate_on_a_mesh_prints_the_same_tokens(tmp_path):
     assert from_config.returncode == 0, from_config.stderr
     assert json.loads(from_config.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
     assert "mesh data=1,model=2: 2 cpu devices" in from_config.stderr
+
+
+def test_generate_with_a_tree_under_goodput_marks_the_tree_steps():
+    result = jaxspec("generate", "abcabcabcabcabcab", "--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny",
+                     "--proposer", "ngram", "--tree", "4:2", "--max-tokens", "24", "--json")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)["stats"]
+    assert stats["policy"] == "goodput" and stats["completion_tokens"] == 24
+    assert all(("tree" in step) == (step["k"] == 4) for step in stats["per_step"])
+    assert any(step["k"] == 4 and step["tree"] == "4:2" for step in stats["per_step"])  # the tree was tried

@@ -22,8 +22,8 @@ class TimedFakeEngine(FakeEngine):
     """The contract's fake engine with synthetic step times: the clock advances by cost(B, k, W)
     per step, less `real_token_s` per token slot the rows' caps leave unused."""
 
-    def __init__(self, clock: Clock, cost, real_token_s=0.0, jitter=0.0):
-        super().__init__(MENU, vocab_size=32, model_name="fake-target", proposer_name="ngram", accept=1)
+    def __init__(self, clock: Clock, cost, real_token_s=0.0, jitter=0.0, menu: Menu = MENU):
+        super().__init__(menu, vocab_size=32, model_name="fake-target", proposer_name="ngram", accept=1)
         self.clock, self.cost, self.real_token_s = clock, cost, real_token_s
         self.jitter, self.rng = jitter, np.random.default_rng(0)
         self.steps: list[tuple[int, int, int]] = []
@@ -59,6 +59,17 @@ def test_profile_times_every_shape_of_the_menu():
     model = CostModel.from_profile(profile)
     assert model.step_time(4, 4, 512) == pytest.approx(fn(4, 4, 512))
     assert model.base_time(8, 4, 512) == pytest.approx(fn(8, 4, 512), rel=1e-6)  # not profiled: the fit
+
+
+def test_profile_of_a_one_window_menu_re_prefills_before_growth_overruns_the_cache():
+    """A menu whose only window is max_len (the tiny one): the steps' growth reaches the end of the cache,
+    and the profiler starts the slots over instead of failing with a capacity error."""
+    clock = Clock()
+    menu = Menu(num_slots=2, max_len=64, batch_buckets=(1, 2), k_menu=(0, 4), window_buckets=(64,),
+                prefill_buckets=(16,))
+    engine = TimedFakeEngine(clock, linear_cost(), menu=menu)
+    profile = profiler.profile_engine(engine, repeats=40, progress=False, clock=clock, kind="fake-device")
+    assert {e.shape for e in profile.entries} == {(b, k, 64) for b in (1, 2) for k in (0, 4)}
 
 
 def test_profile_at_given_contexts_and_without_probe():
