@@ -14,8 +14,8 @@ each proposer. Greedy decoding (T = 0), so every policy generates the same token
 only the time differs. Each policy object is fresh per cell (no acceptance history carried over).
 Goodput policies use the device profile (`jaxspec profile`), measured once and cached.
 `--tree N[:D]` adds the proposer `ngram-tree`: prompt lookup on an engine whose k = N step verifies a
-token tree (jaxspec/tree.py) instead of a chain, under `fixed:N` only (goodput does not price
-trees yet); `fixed:N` under `ngram` is then the chain of the same verify width, side by side.
+token tree (jaxspec/tree.py) instead of a chain, under `fixed:N` and `goodput` (which then chooses among
+the chains and the tree); `fixed:N` under `ngram` is the chain of the same verify width, side by side.
 Metrics: see benchmarks/loadgen.py. Nothing compiles inside a measured run (checked).
 """
 
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k-menu", type=_ints, default=(0, 1, 2, 3, 4, 5), help="compiled k values (default 0..5)")
     parser.add_argument("--tree", default=None, metavar="N[:D]",
                         help="also run prompt lookup with a token tree of N nodes at most D deep at k = N "
-                             "(proposer 'ngram-tree', under fixed:N only)")
+                             "(proposer 'ngram-tree', under fixed:N and goodput)")
     parser.add_argument("--max-len", type=int, default=None, help="cache length (default prompt cap + output cap + 16)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--quick", action="store_true", help="≤ 10 min on 2 cores: few requests, short outputs, "
@@ -222,7 +222,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
         engines[name] = Engine(target, prop, menu.with_tree(TreeEnvelope.parse(s.tree)) if tree_menu else menu,
                                mesh=mesh)
         engines[name].warmup(progress=s.progress)
-        if not tree_menu and any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
+        if any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
             make_bench_policy("goodput", engines[name])  # profile now (cached on disk)
     log(f"warm-up + profiles: {time.perf_counter() - t0:.1f} s")
 
@@ -230,10 +230,10 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
         return [p for p in proposers if not (p == "draft" and s.draft_only_on and workload_name not in s.draft_only_on)]
 
     def policies_for(proposer_name):
-        """The policies a proposer runs under; the tree only under fixed:N (its other k are ngram's chains, and
-        goodput does not price trees yet)."""
+        """The policies a proposer runs under; the tree under fixed:N and goodput only (its other fixed k are
+        ngram's chains; goodput-per-request does not price trees)."""
         if proposer_name == "ngram-tree":
-            return [spec for spec in s.policies if spec == f"fixed:{TreeEnvelope.parse(s.tree).nodes}"]
+            return [spec for spec in s.policies if spec in (f"fixed:{TreeEnvelope.parse(s.tree).nodes}", "goodput")]
         return [spec for spec in s.policies if spec != "none"]
 
     loads = list(s.closed_loop) if s.closed_loop else None
