@@ -70,9 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=None, help="max running requests (default 8; closed loop: "
                                                                    "the largest concurrency)")
     parser.add_argument("--k-menu", type=_ints, default=(0, 1, 2, 3, 4, 5), help="compiled k values (default 0..5)")
+    tree_help = next(f for f in dataclasses.fields(EngineArgs) if f.name == "tree").metadata["help"]
     parser.add_argument("--tree", default=None, metavar="N[:D]",
-                        help="also run prompt lookup with a token tree of N nodes at most D deep at k = N "
-                             "(proposer 'ngram-tree', under fixed:N and goodput)")
+                        help=f"{tree_help}; here an extra proposer 'ngram-tree' beside ngram's chains, under "
+                             f"fixed:N and goodput")
     parser.add_argument("--max-len", type=int, default=None, help="cache length (default prompt cap + output cap + 16)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--quick", action="store_true", help="≤ 10 min on 2 cores: few requests, short outputs, "
