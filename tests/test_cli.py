@@ -168,8 +168,12 @@ def test_generate_on_a_mesh_prints_the_same_tokens(tmp_path):
     assert "mesh data=1,model=2: 2 cpu devices" in from_config.stderr
 
 
-def test_generate_with_a_tree_under_goodput_marks_the_tree_steps():
-    result = jaxspec("generate", "abcabcabcabcabcab", "--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny",
+def test_generate_with_a_tree_under_goodput_marks_the_tree_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(tmp_path / "profiles"))  # profiled afresh, for this menu
+    menu = tmp_path / "menu.yaml"  # a lean menu: one batch bucket, k in {0, 2, 4}, the tree at 4
+    menu.write_text("num_slots: 1\nmax_len: 128\nbatch_buckets: [1]\nk_menu: [0, 2, 4]\nwindow_buckets: [128]\n"
+                    "prefill_buckets: [32]\n")
+    result = jaxspec("generate", "abcabcabcabcabcab", "--model", "tiny", "--tokenizer", "ascii", "--menu", str(menu),
                      "--proposer", "ngram", "--tree", "4:2", "--max-tokens", "24", "--json")
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stdout)["stats"]
