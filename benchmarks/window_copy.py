@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     q = jnp.asarray(rng.standard_normal((X, E), np.float32))
     slot = jnp.asarray(0, jnp.int32)
     print(f"{load()}")
-    print(f"{'W':>5} {'whole':>8} {'prefix':>8} {'slot':>8} {'dynamic':>8}  ms for {L} layers (K+V {2 * L * E * 4} B/row)")
+    print(f"{'W':>5} {'whole':>8} {'prefix':>8} {'slot':>8} {'dynamic':>8}  (ms, {L} layers)")
     for w in (512, 2048):
         whole = tuple(jnp.asarray(rng.standard_normal((w, E), np.float32)) for _ in range(2 * L))
         flat = tuple(jnp.asarray(rng.standard_normal((M, E), np.float32)) for _ in range(2 * L))
