@@ -14,7 +14,7 @@ import pytest
 
 from jaxspec import compile_counter
 from jaxspec.engine import Engine
-from jaxspec.menu import Menu
+from jaxspec.menu import Menu, TreeEnvelope
 from jaxspec.mesh import MeshSpec
 from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
@@ -45,8 +45,12 @@ def _proposer(name: str, draft):
 
 
 def _run(models, proposer: str, mesh: tuple[int, int]) -> tuple[list[list[int]], int]:
+    """proposer 'ngram-tree': prompt lookup with the k = 2 step a tree of 2 siblings (compaction moves the
+    second one's K/V when it is accepted)."""
     target, draft = models
-    return _drive(Engine(target, _proposer(proposer, draft), MENU, mesh=MeshSpec(*mesh)), speculate=proposer != "none")
+    menu = MENU.with_tree(TreeEnvelope(2, 1)) if proposer == "ngram-tree" else MENU
+    engine = Engine(target, _proposer(proposer.removesuffix("-tree"), draft), menu, mesh=MeshSpec(*mesh))
+    return _drive(engine, speculate=proposer != "none")
 
 
 def _drive(engine: Engine, speculate: bool) -> tuple[list[list[int]], int]:
@@ -76,7 +80,7 @@ def _drive(engine: Engine, speculate: bool) -> tuple[list[list[int]], int]:
 
 @pytest.fixture(scope="module")
 def single_device(models):
-    return {name: _run(models, name, (1, 1))[0] for name in ("none", "ngram", "draft")}
+    return {name: _run(models, name, (1, 1))[0] for name in ("none", "ngram", "draft", "ngram-tree")}
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"data{m[0]}-model{m[1]}")
@@ -85,6 +89,16 @@ def test_mesh_output_equals_single_device(models, single_device, proposer, mesh)
     tokens, compiles = _run(models, proposer, mesh)
     assert tokens == single_device[proposer]
     assert compiles == 0
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (1, 4)], ids=lambda m: f"data{m[0]}-model{m[1]}")
+def test_tree_steps_on_a_mesh_equal_single_device(models, single_device, mesh):
+    """Token trees (verify and KV compaction) over a cache split by slot and by kv head."""
+    tokens, compiles = _run(models, "ngram-tree", mesh)
+    assert tokens == single_device["ngram-tree"]
+    assert compiles == 0
+    plain = single_device["none"][0]
+    assert len(tokens[0]) > len(plain) and tokens[0][:len(plain)] == plain  # a greedy row: plain decoding, faster
 
 
 def test_weights_and_cache_carry_the_designed_shardings(models):
