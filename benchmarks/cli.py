@@ -214,14 +214,13 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                                   seed=s.seed, max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens,
                                   vocab_size=target.config.vocab_size) for w in s.workloads}
     menu = bench_menu(s)
+    tree = TreeEnvelope.parse(s.tree) if s.tree is not None else None  # the ngram-tree proposer's envelope
     t0 = time.perf_counter()
     plain = Engine(target, None, menu.with_k_menu((0,)), mesh=mesh)
     plain.warmup(progress=s.progress)
     engines = {}
     for name, prop in proposers.items():
-        tree_menu = name == "ngram-tree"
-        engines[name] = Engine(target, prop, menu.with_tree(TreeEnvelope.parse(s.tree)) if tree_menu else menu,
-                               mesh=mesh)
+        engines[name] = Engine(target, prop, menu.with_tree(tree) if name == "ngram-tree" else menu, mesh=mesh)
         engines[name].warmup(progress=s.progress)
         if any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
             make_bench_policy("goodput", engines[name])  # profile now (cached on disk)
@@ -234,7 +233,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
         """The policies a proposer runs under; the tree under fixed:N and goodput only (its other fixed k are
         ngram's chains; goodput-per-request does not price trees)."""
         if proposer_name == "ngram-tree":
-            return [spec for spec in s.policies if spec in (f"fixed:{TreeEnvelope.parse(s.tree).nodes}", "goodput")]
+            return [spec for spec in s.policies if spec in (f"fixed:{tree.nodes}", "goodput")]
         return [spec for spec in s.policies if spec != "none"]
 
     loads = list(s.closed_loop) if s.closed_loop else None

@@ -192,6 +192,7 @@ class Engine:
 
     def _step_body(self, k: int, window: int):
         proposer = self.proposer
+        scratch = self.scratch_slot
         tree = self.menu.tree_at(k)
 
         def body(target_params, proposer_params, state: DecodeState, slot_ids, row_k):
@@ -204,10 +205,11 @@ class Engine:
                 nodes, pstate = proposer.propose_tree(proposer_params, state.proposer, ctx, tree, window)
                 # row b verifies nodes 1 .. min(lens, row_k[b]): a parent-closed prefix at most that deep
                 valid = jnp.arange(k)[None, :] < jnp.minimum(nodes.lens, row_k)[:, None]  # [B, k]
+                rooted = tree_lib.with_root(nodes, valid)  # tokens, parents, depth: [B, k+1]
                 logits, cache = target.forward_cached(
-                    tree_lib.tree_inputs(pending, nodes, valid, slot_ids, start, tree.depth), state.cache, window,
+                    tree_lib.tree_inputs(pending, rooted, slot_ids, start, tree.depth), state.cache, window,
                     layers=layers)  # [B, k+1, V]
-                out, counts, path = verify_tree(logits, *tree_lib.with_root(nodes, valid), ctx.rows, tree.depth)
+                out, counts, path = verify_tree(logits, *rooted, ctx.rows, tree.depth)
                 cache = tree_lib.compact(cache, slot_ids, start, path)  # the accepted path where a chain has it
                 proposed = jnp.sum(valid, axis=1).astype(jnp.int32)  # [B]
             else:
@@ -246,7 +248,6 @@ class Engine:
             packed = jnp.concatenate([out, counts[:, None], proposed[:, None]], axis=1)
             return new_state, packed
 
-        scratch = self.scratch_slot
         return body
 
     def _prefill_body(self, chunk: int, window: int):

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxspec.menu import StepKey
 from jaxspec.types import SamplingParams
+from models.kv_cache import cache_bytes
 
 
 def load() -> str:
@@ -115,10 +116,9 @@ def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8) -> list[dict]:
 
 
 def kv_window_mb(engine, window: int) -> float:
-    """MB of keys and values a step at window W reads for one row (every layer)."""
-    c = engine.model_config
-    itemsize = jax.numpy.dtype(c.dtype).itemsize
-    return 2 * c.num_layers * window * c.num_kv_heads * c.head_dim * itemsize / 1e6
+    """MB of keys and values a step at window W reads for one row (every layer): one slot's cache of W
+    positions."""
+    return cache_bytes(engine.model_config, num_slots=0, max_len=window) / 1e6
 
 
 def window_growth(engine, rows: list[dict]) -> list[dict]:

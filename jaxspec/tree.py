@@ -25,6 +25,8 @@ Dimension names as everywhere (docs/design.md): B rows, k nodes, T = k + 1 token
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -55,12 +57,13 @@ def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
     return mask
 
 
-def tree_inputs(pending: jax.Array, proposals: TreeProposals, valid: jax.Array, slot_ids: jax.Array,
+def tree_inputs(pending: jax.Array, rooted: tuple[jax.Array, jax.Array, jax.Array], slot_ids: jax.Array,
                 start: jax.Array, max_depth: int) -> StepInputs:
-    """The target's StepInputs for one tree step: tokens [B, T] = pending then the nodes (invalid ones
-    as token 0: scored, never accepted), RoPE offsets = depth, the ancestor mask."""
-    tokens = jnp.concatenate([pending[:, None], jnp.where(valid, proposals.token_ids, 0)], axis=1)  # [B, T]
-    _, parents, depth = with_root(proposals, valid)
+    """The target's StepInputs for one tree step from `with_root`'s (tokens, parents, depth): tokens
+    [B, T] = pending then the nodes (invalid ones as token 0: scored, never accepted), RoPE offsets =
+    depth, the ancestor mask."""
+    tokens, parents, depth = rooted
+    tokens = jnp.concatenate([pending[:, None], jnp.maximum(tokens[:, 1:], 0)], axis=1)  # [B, T]
     return StepInputs(tokens, slot_ids, start, depth, ancestor_mask(parents, max_depth))
 
 
@@ -92,11 +95,5 @@ def compact(cache: KVCache, slot_ids: jax.Array, start: jax.Array, path: jax.Arr
         rows = buffer[slots, jnp.minimum(src, buffer.shape[1] - 1)]  # [B, Z+1, G, H]
         return buffer.at[slots, dst].set(rows, mode="drop")
 
-    return KVCache(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v), lengths=cache.lengths)
+    return dataclasses.replace(cache, k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v))
 
-
-def chain_tree(token_ids: jax.Array, lens: jax.Array) -> TreeProposals:
-    """A chain of k proposals [B, k] as a tree (node i's parent is i − 1): for tests and comparisons."""
-    b, k = token_ids.shape
-    nodes = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
-    return TreeProposals(token_ids=token_ids, parents=nodes, depth=nodes + 1, lens=lens)

@@ -85,16 +85,23 @@ def _judged_by_position_0(target_logits, proposals, rows):
     return verify(jnp.broadcast_to(target_logits[:, :1], target_logits.shape), proposals, rows)
 
 
-def _first_token_biased(target_logits, proposals, rows):
-    """Broken by δ = BIAS: moves BIAS of x_0's mass from its most likely token a to the second b."""
-    tokens, counts = verify(target_logits, proposals, rows)  # [N, K+1], [N]
-    p0 = sampling.warp(target_logits[:, 0], rows)  # [N, V]
+def biased_first_token(first, logits0, rows):
+    """Moves δ = BIAS of x_0's mass from its most likely token a to the second b: first [N] emitted x_0,
+    logits0 [N, V] its target logits -> (first [N] after the move, moved [N] bool)."""
+    p0 = sampling.warp(logits0, rows)  # [N, V]
     order = jnp.argsort(-p0, axis=-1)  # [N, V]
     a, b = order[:, 0], order[:, 1]  # [N]
     p_a = jnp.take_along_axis(p0, a[:, None], axis=1)[:, 0]  # [N]
     u = jax.vmap(lambda key: jax.random.uniform(key))(sampling.subkeys(rows.keys, BIAS_KEY))  # [N]
-    move = (tokens[:, 0] == a) & (u * p_a < BIAS)  # P(move) = π_a · BIAS/π_a = BIAS
-    return tokens.at[:, 0].set(jnp.where(move, b, tokens[:, 0]).astype(tokens.dtype)), counts
+    move = (first == a) & (u * p_a < BIAS)  # P(move) = π_a · BIAS/π_a = BIAS
+    return jnp.where(move, b, first).astype(first.dtype), move
+
+
+def _first_token_biased(target_logits, proposals, rows):
+    """Broken by δ = BIAS: moves BIAS of x_0's mass from its most likely token a to the second b."""
+    tokens, counts = verify(target_logits, proposals, rows)  # [N, K+1], [N]
+    first, _ = biased_first_token(tokens[:, 0], target_logits[:, 0], rows)
+    return tokens.at[:, 0].set(first), counts
 
 
 @functools.partial(jax.jit, static_argnames=("point_mass", "sampler"))
@@ -152,6 +159,12 @@ def _p_values(tokens, counts, lens, expected) -> dict[str, tuple[float, int, int
     for c in sorted(set(CAPS), reverse=True):
         for j in range(c + 1):
             tests[f"cap {c}, x{j}" + (" (bonus)" if j == c else "")] = (lens == c, j)
+    return position_p_values(tokens, counts, tests, expected)
+
+
+def position_p_values(tokens, counts, tests, expected) -> dict[str, tuple[float, int, int]]:
+    """{test: (p-value, df, rows)} for tests {name: (rows [N] bool, position j)}: the x_j of those rows
+    that reach j, in cells (x_{j-1}, x_j), against expected[j] [V, V] (previous token, next)."""
     out = {}
     for name, (rows, j) in tests.items():
         reached = rows & (counts > j)

@@ -51,7 +51,7 @@ def test_the_ancestor_mask_of_the_documented_tree():
 
 
 def test_a_chain_is_the_lower_triangular_tree():
-    chain = tree_lib.chain_tree(jnp.asarray([[5, 6, 7]]), jnp.asarray([3]))
+    chain = tree(tokens=[5, 6, 7], parents=[0, 1, 2], depth=[1, 2, 3])  # node i's parent is i − 1
     _, parents, _ = tree_lib.with_root(chain, jnp.ones((1, 3), bool))
     assert picture(np.asarray(tree_lib.ancestor_mask(parents, max_depth=3))[0]) == ["x...", "xx..", "xxx.", "xxxx"]
 
@@ -134,7 +134,8 @@ def test_compaction_moves_the_accepted_path_to_where_a_chain_has_it(tiny_model):
         return nnx.merge(graphdef, params).forward_cached(inputs, cache, window, layers=layers)[1]
 
     cache = run(init_cache(c, 1, window), chain_inputs(jnp.asarray([prompt]), slot, jnp.zeros((1,), jnp.int32)))
-    tree_cache = run(cache, tree_lib.tree_inputs(jnp.asarray([5]), DOC_TREE, jnp.ones((1, 4), bool), slot, start, 3))
+    rooted = tree_lib.with_root(DOC_TREE, jnp.ones((1, 4), bool))
+    tree_cache = run(cache, tree_lib.tree_inputs(jnp.asarray([5]), rooted, slot, start, 3))
     compacted = tree_lib.compact(tree_cache, slot, start, jnp.asarray([[0, 1, 2, 4]], jnp.int32))  # root, a, b, c
     chain_cache = run(cache, chain_inputs(jnp.asarray([[5, 11, 12, 14, 0]]), slot, start))  # T = 5, as the tree
     for layer in range(c.num_layers):

@@ -34,28 +34,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy.stats import chi2
 
 from jaxspec import sampling
 from jaxspec import tree as tree_lib
-from jaxspec.types import RowParams, TreeProposals
+from jaxspec.types import TreeProposals
 from jaxspec.verify import verify_tree
-from tests.test_sampling_distribution import BIAS, _pearson
+from tests.test_sampling_distribution import PENDING, N, V, _params, _warped, biased_first_token, position_p_values
 
-V, N, DEPTH = 8, 2**19, 3
-PENDING = 0
+DEPTH = 3  # V = 8 tokens, N = 2^19 rows and the pending token: those of tests/test_sampling_distribution.py
 PARENTS = (0, 0, 1, 1, 3, 2)  # node i + 1's parent (0 = root)
 NODE_DEPTH = (1, 1, 2, 2, 3, 2)
 CAPS = (6, 6, 2, 0)  # row r verifies nodes 1 .. CAPS[r % 4]
 ALPHA = 1e-3
-TREE_KEY, BIAS_KEY = 3_000_001, 3_000_002  # the test's own fold_in purposes (tree tokens, the biased coin)
-
-
-@functools.partial(jax.jit, static_argnames=("n",))
-def _params(n: int, temperature: float, top_p: float, top_k: int, seed: int) -> RowParams:
-    return RowParams(temperature=jnp.full((n,), temperature, jnp.float32), top_p=jnp.full((n,), top_p, jnp.float32),
-                     top_k=jnp.full((n,), top_k, jnp.int32),
-                     keys=sampling.row_keys(jnp.full((n,), seed, jnp.int32), jnp.arange(n, dtype=jnp.int32)))
+TREE_KEY = 3_000_001  # the test's own fold_in purpose for the tree tokens
 
 
 def _table(seed: int) -> jax.Array:
@@ -75,14 +66,9 @@ def _drawn_from_the_root(logits, tokens, parents, depth, rows):
 def _first_token_biased(logits, tokens, parents, depth, rows):
     """Broken by δ = BIAS: moves BIAS of x_0's mass from its most likely token a to the second b."""
     out, counts, path = verify_tree(logits, tokens, parents, depth, rows, DEPTH)
-    p0 = sampling.warp(logits[:, 0], rows)  # [N, V]
-    order = jnp.argsort(-p0, axis=-1)
-    a, b = order[:, 0], order[:, 1]
-    p_a = jnp.take_along_axis(p0, a[:, None], axis=1)[:, 0]
-    u = jax.vmap(lambda key: jax.random.uniform(key))(sampling.subkeys(rows.keys, BIAS_KEY))
-    move = (out[:, 0] == a) & (u * p_a < BIAS)
+    first, move = biased_first_token(out[:, 0], logits[:, 0], rows)
     # a moved first token no longer continues the tree: the row emits it alone
-    out = jnp.where(move[:, None], jnp.where(jnp.arange(out.shape[1])[None, :] == 0, b[:, None], -1), out)
+    out = jnp.where(move[:, None], jnp.where(jnp.arange(out.shape[1])[None, :] == 0, first[:, None], -1), out)
     return out, jnp.where(move, 1, counts), path
 
 
@@ -118,15 +104,7 @@ def _p_values(out, counts, caps, expected) -> dict[str, tuple[float, int, int]]:
     for c in sorted(set(CAPS), reverse=True):
         for j in range(reach[c] + 1):
             tests[f"cap {c}, x{j}" + (" (bonus only)" if j == reach[c] else "")] = (caps == c, j)
-    results = {}
-    for name, (rows, j) in tests.items():
-        reached = rows & (counts > j)
-        previous = np.full(counts.shape, PENDING) if j == 0 else out[:, j - 1]
-        cells = np.bincount(previous[reached] * V + out[reached, j], minlength=V * V).reshape(V, V)
-        stat, df, impossible = _pearson(cells, expected[j])
-        assert df > 0, name
-        results[name] = (0.0 if impossible else float(chi2.sf(stat, df)), df, int(reached.sum()))
-    return results
+    return position_p_values(out, counts, tests, expected)
 
 
 CONFIGS = [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.3, 0.8, 0), (0.9, 0.9, 6)]
@@ -145,9 +123,7 @@ def test_tree_verify_preserves_the_target_at_every_position(config, sampler, acc
         assert np.all((counts >= 1) & (counts <= np.where(caps == 6, DEPTH, np.minimum(caps, 1)) + 1))
         assert np.all(np.where(np.arange(out.shape[1])[None, :] >= counts[:, None], out == -1, out >= 0))
         assert 0 < np.mean(counts[caps == 6] == DEPTH + 1) < 1
-    flat = table.reshape(-1, V)
-    expected = np.asarray(sampling.warp(flat, _params(flat.shape[0], *config, seed=0))).reshape(table.shape)
-    results = _p_values(out, counts, caps, expected)
+    results = _p_values(out, counts, caps, _warped(table, config))
     level = ALPHA / len(results)
     report = "\n".join(f"  {name}: p = {p:.3g} (df {df}, {n} rows)" for name, (p, df, n) in results.items())
     if accepted:

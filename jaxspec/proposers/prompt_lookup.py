@@ -10,6 +10,7 @@ nodes, each continuation at most Z tokens long (Y continuations, Q match candida
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ class PromptLookupProposer(Proposer):
     min_ngram: int = 1
     max_ngram: int = 3
     name: str = "ngram"
-    builds_trees: bool = True
+    builds_trees: ClassVar[bool] = True
 
     def __post_init__(self):
         if not (1 <= self.min_ngram <= self.max_ngram):
