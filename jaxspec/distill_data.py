@@ -10,6 +10,8 @@ continuation (N tokens) padded to S = P + N:
     mask   [B, T]  bool      position t carries a target distribution for token t+1
     top_ids [B, T, K] int32  the target's top-K next-token ids after token t
     top_lp  [B, T, K] f16    their log-probabilities (normalised over the full vocabulary)
+    features [B, T, D] f16   (feature shards only) the target's last hidden state after token t,
+                             before the final norm: what a feature draft reads (models/feature_draft.py)
 
 Held-out split: a conversation is held out iff crc32(id) % 10 == 0 (training never sees those).
 """
@@ -116,8 +118,9 @@ class TargetGenerator:
     position (prompt positions included), in one compiled call per batch: cached greedy decoding
     (argmax only), then one cache-free forward over prompt + continuation for the top-K labels."""
 
-    def __init__(self, target: Llama, rows: int, prompt_len: int, gen_len: int, top_k: int = 32):
-        self.rows, self.p, self.n, self.k = rows, prompt_len, gen_len, top_k
+    def __init__(self, target: Llama, rows: int, prompt_len: int, gen_len: int, top_k: int = 32,
+                 features: bool = False):
+        self.rows, self.p, self.n, self.k, self.features = rows, prompt_len, gen_len, top_k, features
         self.max_len = prompt_len + gen_len
         graphdef, params = nnx.split(target)
         self.params = params
@@ -151,8 +154,9 @@ class TargetGenerator:
             seq = jnp.zeros((r, max_len), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
             pos = lens[:, None] + jnp.arange(gen_len, dtype=jnp.int32)[None, :]  # [B, T]
             seq = seq.at[slots[:, None], pos].set(gen)  # [B, M] prompt, then the continuation
-            ids, lp = topk(model(seq))  # [B, T, K] the target's next-token top-K after every token
-            return seq, gen, ids, lp
+            hidden = model.hidden_states(seq)  # [B, M, D]
+            ids, lp = topk(model.unembed(hidden))  # [B, M, K] the target's next-token top-K after every token
+            return seq, gen, ids, lp, hidden.astype(jnp.float16)
 
         self._run = jax.jit(run)
 
@@ -167,7 +171,7 @@ class TargetGenerator:
                 raise ValueError(f"prompt of {len(ids)} tokens > prompt_len {p}")
             tokens[i, : len(ids)] = ids
             lens[i] = len(ids)
-        seq, gen, ids, lp = (np.array(a) for a in self._run(self.params, tokens, lens))
+        seq, gen, ids, lp, hidden = (np.array(a) for a in self._run(self.params, tokens, lens))
         s = p + n
         mask = np.zeros((r, s), bool)
         for i in range(len(prompts)):
@@ -182,7 +186,10 @@ class TargetGenerator:
             mask[i, : L + stop - (1 if stop < n else 0)] = True
         out_tokens, top_ids, top_lp = seq, ids, np.where(mask[..., None], lp, -np.inf).astype(np.float16)
         keep = np.arange(r) < len(prompts)
-        return {"tokens": out_tokens[keep], "mask": mask[keep], "top_ids": top_ids[keep], "top_lp": top_lp[keep]}
+        out = {"tokens": out_tokens[keep], "mask": mask[keep], "top_ids": top_ids[keep], "top_lp": top_lp[keep]}
+        if self.features:
+            out["features"] = hidden[keep]
+        return out
 
 
 def write_shards(batches: list, out: Path, prefix: str, make, desc: str,
@@ -212,15 +219,16 @@ def write_shards(batches: list, out: Path, prefix: str, make, desc: str,
 
 def build_shards(target: Llama, prompts: list[list[int]], out_dir: str | Path, eos_ids: tuple[int, ...],
                  rows: int = 16, prompt_len: int = 128, gen_len: int = 128, top_k: int = 32,
-                 time_budget_s: float | None = None, progress: bool = True) -> list[Path]:
-    """Generate shards for `prompts` into out_dir, skipping shards already there (resumable)."""
+                 time_budget_s: float | None = None, progress: bool = True, features: bool = False) -> list[Path]:
+    """Generate shards for `prompts` into out_dir, skipping shards already there (resumable).
+    `features`: also store the target's last hidden states (for a feature draft)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = None
 
     def make(batch):
         nonlocal gen
-        gen = gen or TargetGenerator(target, rows, prompt_len, gen_len, top_k)
+        gen = gen or TargetGenerator(target, rows, prompt_len, gen_len, top_k, features)
         return gen.generate(batch, eos_ids)
 
     batches = [prompts[i:i + rows] for i in range(0, len(prompts), rows)]
@@ -272,19 +280,21 @@ def chat_transcripts(tokenizer, n: int, seq_len: int, skip: int = 0) -> list[lis
 
 def build_teacher_forced_shards(target: Llama, sequences: list[list[int]], out_dir: str | Path,
                                 rows: int = 8, seq_len: int = 240, top_k: int = 32,
-                                time_budget_s: float | None = None, progress: bool = True) -> list[Path]:
+                                time_budget_s: float | None = None, progress: bool = True,
+                                features: bool = False) -> list[Path]:
     """Target top-K over given token sequences (one cache-free forward per batch), as shards
-    `tf_XXXXX.npz` in the same format as `build_shards` (resumable)."""
+    `tf_XXXXX.npz` in the same format as `build_shards` (resumable; `features` as there)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     graphdef, params = nnx.split(target)
 
     @jax.jit
     def label(params, tokens):
-        logits = nnx.merge(graphdef, params)(tokens)  # [B, T, V]
-        logp = jax.nn.log_softmax(logits, axis=-1)
+        model = nnx.merge(graphdef, params)
+        hidden = model.hidden_states(tokens)  # [B, T, D]
+        logp = jax.nn.log_softmax(model.unembed(hidden), axis=-1)  # [B, T, V]
         vals, ids = jax.lax.top_k(logp, top_k)
-        return ids.astype(jnp.int32), vals.astype(jnp.float16)
+        return ids.astype(jnp.int32), vals.astype(jnp.float16), hidden.astype(jnp.float16)
 
     def make(batch):
         tokens = np.zeros((rows, seq_len), np.int32)
@@ -292,9 +302,12 @@ def build_teacher_forced_shards(target: Llama, sequences: list[list[int]], out_d
         for i, ids in enumerate(batch):
             tokens[i, :len(ids)] = ids
             mask[i, :len(ids) - 1] = True  # the prediction after the last token has no use
-        ids, lp = (np.asarray(a) for a in label(params, tokens))
+        ids, lp, hidden = (np.asarray(a) for a in label(params, tokens))
         n = len(batch)
-        return {"tokens": tokens[:n], "mask": mask[:n], "top_ids": ids[:n], "top_lp": lp[:n]}
+        out = {"tokens": tokens[:n], "mask": mask[:n], "top_ids": ids[:n], "top_lp": lp[:n]}
+        if features:
+            out["features"] = hidden[:n]
+        return out
 
     batches = [sequences[i:i + rows] for i in range(0, len(sequences), rows)]
     return write_shards(batches, out, "tf", make, "teacher-forced labels", time_budget_s, progress)

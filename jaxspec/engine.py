@@ -222,10 +222,13 @@ class Engine:
                     pstate = state.proposer
                 # tokens_in: [B, k+1] = pending then the proposals
                 tokens_in = jnp.concatenate([pending[:, None], proposals.token_ids], axis=1)
-                logits, cache = target.forward_cached(chain_inputs(tokens_in, slot_ids, start), state.cache, window,
-                                                      layers=layers)
+                hidden, cache = target.forward_cached_hidden(chain_inputs(tokens_in, slot_ids, start), state.cache,
+                                                             window, layers=layers)  # [B, k+1, D]
+                logits = target.unembed(hidden)  # [B, k+1, V]
                 out, counts = verify(logits, proposals, ctx.rows)  # [B, k+1], [B]
                 proposed = proposals.lens
+                if proposer.reads_target_features:  # every committed position's feature, k = 0 included
+                    pstate = proposer.record_features(pstate, slot_ids, start, hidden)
 
             new_len = start + counts
             cache = cache.with_lengths(slot_ids, new_len)
@@ -235,7 +238,8 @@ class Engine:
             hist_pos = start[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :]  # [B, k+1]
             history = state.history.at[slot_ids[:, None], hist_pos].set(out, mode="drop")
             if k > 0:
-                pstate = proposer.commit(pstate, ctx, k, counts - 1)
+                pstate = proposer.commit(proposer_params, pstate, dataclasses.replace(ctx, history=history), k,
+                                         counts - 1, window)
             new_state = DecodeState(
                 cache=cache,
                 pending=state.pending.at[slot_ids].set(new_pending),
@@ -263,10 +267,14 @@ class Engine:
                                 top_k=state.params.top_k.at[slot].set(top_k),
                                 seed=state.params.seed.at[slot].set(seed))
             inputs = chain_inputs(tokens, slot, start)
-            logits, cache = target.forward_cached(inputs, state.cache, window, logits_at=(n_valid - 1)[:, None],
-                                                  layers=layers)
+            hidden, cache = target.forward_cached_hidden(inputs, state.cache, window, layers=layers)  # [1, C, D]
+            # logits: [1, 1, V] after the chunk's last real token
+            logits = target.unembed(jnp.take_along_axis(hidden, (n_valid - 1)[:, None, None], axis=1))
             cache = cache.with_lengths(slot, start + n_valid)
-            pstate = proposer.prefill(proposer_params, state.proposer, inputs, n_valid, window)
+            pstate = state.proposer
+            if proposer.reads_target_features:  # before the proposer sees the chunk (it reads them)
+                pstate = proposer.record_features(pstate, slot, start, hidden)
+            pstate = proposer.prefill(proposer_params, pstate, inputs, n_valid, window)
             positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
             history = state.history.at[slot[:, None], positions].set(tokens, mode="drop")
             # first generated token (used only when this is the prompt's last chunk)

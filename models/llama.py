@@ -390,11 +390,22 @@ class Llama(nnx.Module):
 
         Writes positions start..start+T-1 of each row's slot (lengths are NOT changed: the
         caller commits), attends over cache positions [0, window) masked by `window_mask`.
-        The layers are unrolled (one in-place cache buffer per layer).
         `logits_at` [B, J] optionally selects which of the T positions to unembed; `layers`
         optionally supplies per-layer weights (see `serving_split`).
         Returns logits [B, T or J, V] (fp32) and the updated cache.
         """
+        hidden, cache = self.forward_cached_hidden(inputs, cache, window, layers=layers)
+        if logits_at is not None:
+            # hidden: [B, T, D] -> [B, J, D]
+            hidden = jnp.take_along_axis(hidden, logits_at[:, :, None], axis=1)
+        return self.unembed(hidden), cache
+
+    def forward_cached_hidden(self, inputs: StepInputs, cache: KVCache, window: int,
+                              layers: tuple[dict, ...] | None = None,
+                              embeds: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """`forward_cached` up to the last hidden state [B, T, D] (before the final norm: the feature a
+        feature draft reads). `embeds` [B, T, D] replaces the token embedding as the first layer's input.
+        The layers are unrolled (one in-place cache buffer per layer)."""
         if window > cache.max_len:
             raise ValueError(f"attention window {window} exceeds cache max_len {cache.max_len}")
         b, t = inputs.tokens.shape
@@ -423,12 +434,9 @@ class Llama(nnx.Module):
             vs = vs[:index] + (cv,) + vs[index + 1:]
             return attention(q, kw, vw, mask, block_diagonal), (ks, vs)
 
-        x, (ks, vs) = self._run_layers(self.embed_tokens(inputs.tokens), positions, attend, (cache.k, cache.v),
-                                       layers)
-        if logits_at is not None:
-            # x: [B, T, D] -> [B, J, D]
-            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
-        return self.unembed(x), dataclasses.replace(cache, k=ks, v=vs)
+        x = self.embed_tokens(inputs.tokens) if embeds is None else embeds  # [B, T, D]
+        x, (ks, vs) = self._run_layers(x, positions, attend, (cache.k, cache.v), layers)
+        return x, dataclasses.replace(cache, k=ks, v=vs)
 
 
 # --- conversion from / to Hugging Face layout ------------------------------------------

@@ -46,6 +46,9 @@ class Proposer:
     in_step_catch_up: int = 1
     #: Whether `propose_tree` builds token trees (jaxspec/tree.py) for a menu's tree envelopes.
     builds_trees: bool = False
+    #: Whether the proposer reads the target's features (last hidden states before the final norm): the
+    #: engine then hands every target pass's features to `record_features`, k = 0 steps and prefill included.
+    reads_target_features: bool = False
 
     def init_state(self, num_slots: int, max_len: int):
         """Device state for `num_slots` slots (+ scratch). Default: none."""
@@ -68,8 +71,14 @@ class Proposer:
         """A deterministic token tree per row inside `tree` (N nodes, at most D deep)."""
         raise NotImplementedError(f"the {self.name!r} proposer does not build token trees")
 
-    def commit(self, state, ctx: StepContext, k: int, n_accepted: jax.Array):
-        """After verification: `n_accepted` [B] of the k proposals were kept."""
+    def record_features(self, state, slot_ids: jax.Array, start: jax.Array, features: jax.Array):
+        """The target's features [B, T, D] of the tokens it just saw at start .. start+T-1 (before `prefill` in
+        a prompt chunk, before `commit` in a step). Only called when `reads_target_features`."""
+        return state
+
+    def commit(self, params, state, ctx: StepContext, k: int, n_accepted: jax.Array, window: int):
+        """After verification: `n_accepted` [B] of the k proposals were kept; `ctx.history` already holds the
+        step's emitted tokens at start+1 .."""
         return state
 
 

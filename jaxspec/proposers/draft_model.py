@@ -101,7 +101,7 @@ class DraftModelProposer(Proposer):
         lens = jnp.full(ctx.slot_ids.shape, k, jnp.int32)
         return Proposals(token_ids=tokens, lens=lens, draft_probs=probs), state
 
-    def commit(self, state: KVCache, ctx: StepContext, k: int, n_accepted: jax.Array) -> KVCache:
+    def commit(self, params, state: KVCache, ctx: StepContext, k: int, n_accepted: jax.Array, window: int) -> KVCache:
         # The draft holds pending + d_1..d_{k-1}; keep what the target accepted (k > 0 only).
         valid = ctx.start + 1 + jnp.minimum(n_accepted, k - 1)  # [B]
         return state.with_lengths(ctx.slot_ids, valid)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxspec.proposers.base import Proposer, StepContext
 from jaxspec.proposers.draft_model import DraftModelProposer
+from jaxspec.proposers.feature_draft import FeatureDraftProposer
 from jaxspec.types import Proposals
 
 _NOISE_KEY = 2_000_003
@@ -31,13 +32,14 @@ class NoisyProposer(Proposer):
     def __init__(self, inner: Proposer, alpha: float, vocab_size: int):
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        if inner.tracks_context and not isinstance(inner, DraftModelProposer):
+        if inner.tracks_context and not isinstance(inner, DraftModelProposer | FeatureDraftProposer):
             raise TypeError(f"NoisyProposer cannot keep the state of {type(inner).__name__} equal to the "
-                            f"history: only a DraftModelProposer (or a stateless proposer) can be wrapped")
+                            f"history: only a draft-model or feature-draft proposer (or a stateless one) can be wrapped")
         self.inner, self.alpha, self.vocab_size = inner, float(alpha), vocab_size
         self.name = f"noisy({inner.name},{alpha:g})"
         self.config = getattr(inner, "config", None)
         self.tracks_context, self.in_step_catch_up = inner.tracks_context, inner.in_step_catch_up
+        self.reads_target_features = inner.reads_target_features
 
     def init_state(self, num_slots, max_len):
         return self.inner.init_state(num_slots, max_len)
@@ -48,8 +50,11 @@ class NoisyProposer(Proposer):
     def prefill(self, params, state, inputs, n_valid, window):
         return self.inner.prefill(params, state, inputs, n_valid, window)
 
-    def commit(self, state, ctx, k, n_accepted):
-        return self.inner.commit(state, ctx, k, n_accepted)
+    def record_features(self, state, slot_ids, start, features):
+        return self.inner.record_features(state, slot_ids, start, features)
+
+    def commit(self, params, state, ctx, k, n_accepted, window):
+        return self.inner.commit(params, state, ctx, k, n_accepted, window)
 
     def propose(self, params, state, ctx: StepContext, k: int, window: int):
         keys = jax.vmap(lambda key: jax.random.fold_in(key, _NOISE_KEY))(ctx.rows.keys)
