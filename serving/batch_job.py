@@ -144,7 +144,7 @@ def run_batch(engine: EngineAPI, tokenizer: Any, policy: Policy | None, input_pa
     The engine must be warmed up (a shape outside its menu fails the requests that need it)."""
     log = log or sys.stderr
     t0 = time.monotonic()
-    lines = _read_input(Path(input_path))
+    lines = read_input(Path(input_path))
     limits = RequestLimits.for_engine(engine, tokenizer)
     with ResumableOutput(Path(output_path)) as out:
         scheduler = Scheduler(engine, policy, tokenizer, SchedulerConfig(max_queue=max_queue))
@@ -166,10 +166,10 @@ def run_batch(engine: EngineAPI, tokenizer: Any, policy: Policy | None, input_pa
             for number, text in lines:
                 request, error = None, None
                 try:
-                    key, raw_id, request = _parse_line(text, number, tokenizer, defaults, limits)
+                    key, raw_id, request = parse_line(text, number, tokenizer, defaults, limits)
                 except MalformedLine as exc:
                     raw_id, error = exc.raw_id, str(exc)
-                    key = _key(raw_id) if raw_id is not None else None
+                    key = record_key(raw_id) if raw_id is not None else None
                 if key is not None:
                     if key in first_line:
                         counts["duplicates"] += 1
@@ -183,13 +183,13 @@ def run_batch(engine: EngineAPI, tokenizer: Any, policy: Policy | None, input_pa
                     bar.update(1)
                 elif request is None:
                     counts["malformed"] += 1
-                    write(_error_record(raw_id, number, error))
+                    write(error_record(raw_id, number, error))
                 else:
                     raw_ids[key] = raw_id
                     yield request
 
         for result in scheduler.iter_completed(requests()):
-            record = _result_record(raw_ids.pop(result.request_id), result)
+            record = result_record(raw_ids.pop(result.request_id), result)
             write(record)
             if result.finish_reason is not FinishReason.ERROR:
                 counts["completed"] += 1
@@ -211,7 +211,7 @@ def run_batch(engine: EngineAPI, tokenizer: Any, policy: Policy | None, input_pa
 # --- input ---------------------------------------------------------------------------------
 
 
-def _read_input(path: Path) -> list[tuple[int, str]]:
+def read_input(path: Path) -> list[tuple[int, str]]:
     """(1-based line number, text) of every non-blank line."""
     try:
         with path.open("r", encoding="utf-8") as f:
@@ -220,12 +220,27 @@ def _read_input(path: Path) -> list[tuple[int, str]]:
         raise BatchJobError(f"cannot read input {path}: {exc}") from None
 
 
-def _key(raw_id: Any) -> str:
+def record_key(raw_id: Any) -> str:
     """The scheduler's request id for an input id (1 and "1" stay distinct)."""
     return json.dumps(raw_id, ensure_ascii=False)
 
 
-def _parse_line(text: str, number: int, tokenizer: Any, defaults: SamplingParams,
+def _valid_id(raw_id: Any) -> bool:
+    return not isinstance(raw_id, bool) and isinstance(raw_id, (str, int)) and raw_id != ""
+
+
+def input_key(text: str) -> str | None:
+    """The `record_key` of an input line's id, or None for a line without a valid one (what resume and
+    duplicate detection go by, as `parse_line` would find it)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    raw_id = obj.get("id") if isinstance(obj, dict) else None
+    return record_key(raw_id) if _valid_id(raw_id) else None
+
+
+def parse_line(text: str, number: int, tokenizer: Any, defaults: SamplingParams,
                 limits: RequestLimits) -> tuple[str, Any, Request]:
     """(scheduler id, input id, a request that passed `validate_request`); MalformedLine says why not."""
     where = f"line {number}"
@@ -236,7 +251,7 @@ def _parse_line(text: str, number: int, tokenizer: Any, defaults: SamplingParams
     if not isinstance(obj, dict):
         raise MalformedLine(f"{where}: expected a JSON object, got {type(obj).__name__}")
     raw_id = obj.get("id")
-    if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or raw_id == "":
+    if not _valid_id(raw_id):
         raise MalformedLine(f"{where}: 'id' must be a non-empty string or an integer, got {raw_id!r}")
     try:
         unknown = sorted(set(obj) - ALLOWED_KEYS)
@@ -255,7 +270,7 @@ def _parse_line(text: str, number: int, tokenizer: Any, defaults: SamplingParams
                     for m in messages):
                 raise ValueError("'messages' must be a list of {role, content} string objects")
             ids = _tokenize(lambda: tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False))
-        key = _key(raw_id)
+        key = record_key(raw_id)
         request = Request(key, ids, _sampling_params(obj, defaults))
         validate_request(request, limits)
     except InvalidRequestError as exc:
@@ -293,12 +308,12 @@ def _sampling_params(obj: dict, defaults: SamplingParams) -> SamplingParams:
 # --- output --------------------------------------------------------------------------------
 
 
-def _error_record(raw_id: Any, number: int, error: str) -> dict:
+def error_record(raw_id: Any, number: int, error: str) -> dict:
     return {"id": raw_id, "line": number, "text": None, "token_ids": [], "finish_reason": FinishReason.ERROR.value,
             "error": error, "stats": None}
 
 
-def _result_record(raw_id: Any, result: RequestResult) -> dict:
+def result_record(raw_id: Any, result: RequestResult) -> dict:
     return {"id": raw_id, "text": result.text, "token_ids": list(result.token_ids),
             "finish_reason": result.finish_reason.value, "error": result.error, "stats": result.stats()}
 
@@ -325,7 +340,7 @@ class ResumableOutput:
             raise BatchJobError(f"output {self.path} is locked by another running batch job") from None
         try:
             if new:
-                _fsync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
             self._load()
         except BaseException:
             self.__exit__()
@@ -352,7 +367,7 @@ class ResumableOutput:
 
     def _remember(self, record: dict) -> None:
         if record.get("id") is not None:
-            self._done_keys.add(_key(record["id"]))
+            self._done_keys.add(record_key(record["id"]))
         elif isinstance(record.get("line"), int):
             self._done_lines.add(record["line"])
 
@@ -373,7 +388,7 @@ class ResumableOutput:
             self._remember(record)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
