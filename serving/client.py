@@ -7,11 +7,17 @@ Library use::
             print(message.text, end="")
 
 Errors arrive as grpc.RpcError (code() and details() say what went wrong).
+
+Replicas (docs/scale_out.md): a target naming several servers, e.g. ``ipv4:127.0.0.1:50051,127.0.0.1:50052``,
+spreads calls over them with gRPC's round_robin policy, health-checked: a replica whose health is not
+SERVING (warming up, draining after SIGTERM) gets no new calls, and a call it refuses with UNAVAILABLE
+before any response is retried on another (gRPC's retry policy, at most `RETRY_ATTEMPTS` attempts).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,18 +30,54 @@ from serving.proto.jaxspec.v1 import generation_pb2 as pb
 from serving.proto.jaxspec.v1 import generation_pb2_grpc as pb_grpc
 
 FINISH_NAMES = {pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop"}
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # jaxspec.v1.Generation
+RETRY_ATTEMPTS = 3
+
+
+def balanced_service_config() -> str:
+    """The gRPC service config of a balanced channel: round_robin over the replicas whose health service
+    reports SERVING for jaxspec.v1.Generation; UNAVAILABLE before any response is retried (on another replica)."""
+    return json.dumps({
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": SERVICE},
+        "methodConfig": [{"name": [{"service": SERVICE}],
+                          "retryPolicy": {"maxAttempts": RETRY_ATTEMPTS, "initialBackoff": "0.05s",
+                                          "maxBackoff": "1s", "backoffMultiplier": 2,
+                                          "retryableStatusCodes": ["UNAVAILABLE"]}}],
+    })
+
+
+def lists_several(target: str) -> bool:
+    """Whether `target` names several addresses (ipv4:A,B / ipv6:A,B); ValueError for a list without the
+    scheme gRPC needs to read it as one."""
+    if "," not in target:
+        return False
+    if not target.startswith(("ipv4:", "ipv6:")):
+        raise ValueError(f"a target with several addresses needs gRPC's ipv4: or ipv6: scheme, e.g. "
+                         f"ipv4:127.0.0.1:50051,127.0.0.1:50052; got {target!r}")
+    if any(not part for part in target.split(":", 1)[1].split(",")):
+        raise ValueError(f"empty address in target {target!r}")
+    return True
 
 
 class GenerationClient:
-    """A channel to one server. tls_ca: PEM bytes or a file path (TLS on); auth_token: bearer token;
-    max_message_bytes: the largest response message accepted. Requests are not limited here: the
-    server answers one over its limit with INVALID_ARGUMENT."""
+    """A channel to a server, or to replicas (target ipv4:A,B,...). tls_ca: PEM bytes or a file path (TLS
+    on); auth_token: bearer token; max_message_bytes: the largest response message accepted. Requests are
+    not limited here: the server answers one over its limit with INVALID_ARGUMENT.
+
+    balance: round_robin over the health-checked replicas (`balanced_service_config`); default: on when
+    the target lists several addresses (pass True for a DNS name with several records, e.g.
+    dns:///jaxspec.internal:50051). A balanced channel only sends to SERVING replicas, so `health()` on
+    it fails while none is."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, auth_token: str | None = None,
                  tls_ca: bytes | str | Path | None = None, tls_server_name: str | None = None,
-                 max_message_bytes: int = 1 << 20):
+                 max_message_bytes: int = 1 << 20, balance: bool | None = None):
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", -1)]
+        self.balanced = lists_several(target) if balance is None else balance
+        if self.balanced:
+            options += [("grpc.service_config", balanced_service_config()), ("grpc.enable_retries", 1)]
         if tls_server_name is not None:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         if tls_ca is not None:
@@ -90,8 +132,13 @@ class GenerationClient:
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt (with --chat: the user message)")
-    parser.add_argument("--host", default="127.0.0.1", help="server address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=50051, help="server port (default 50051)")
+    parser.add_argument("--host", default=None, help="server address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="server port (default 50051)")
+    parser.add_argument("--target", default=None, help="a gRPC target instead of --host/--port; several replicas "
+                        "as ipv4:HOST:PORT,HOST:PORT,... are balanced round-robin over the SERVING ones "
+                        "(docs/scale_out.md)")
+    parser.add_argument("--round-robin", action="store_true", help="balance a --target that resolves to several "
+                        "addresses (e.g. dns:///NAME:PORT) like a list")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens at most (default: the server's)")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
@@ -123,14 +170,22 @@ def run_client(args: argparse.Namespace, out=None, err=None) -> int:
             print("jaxspec client: --system needs --chat", file=err)
             return 2
         messages, prompt = None, args.prompt
+    if args.target is not None and (args.host is not None or args.port is not None):
+        print("jaxspec client: give --target or --host/--port, not both", file=err)
+        return 2
+    if args.round_robin and args.target is None:
+        print("jaxspec client: --round-robin needs --target", file=err)
+        return 2
+    target = args.target or f"{args.host or '127.0.0.1'}:{50051 if args.port is None else args.port}"
     try:
         token = resolve_token(args.auth_token, args.auth_token_file)
+        lists_several(target)
     except (ValueError, OSError) as exc:
         print(f"jaxspec client: {exc}", file=err)
         return 2
     try:
-        with GenerationClient(f"{args.host}:{args.port}", auth_token=token, tls_ca=args.tls_ca,
-                              tls_server_name=args.tls_server_name) as client:
+        with GenerationClient(target, auth_token=token, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
+                              balance=True if args.round_robin else None) as client:
             last = None
             for message in client.generate(prompt, messages=messages, max_tokens=args.max_tokens,
                                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
