@@ -17,9 +17,11 @@ from jaxspec.menu import Menu
 from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.proposers.base import Proposer
 from jaxspec.proposers.draft_model import DraftModelProposer
+from jaxspec.proposers.feature_draft import FeatureDraftProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.resources import config_file
 from models.config import ModelConfig
+from models.feature_draft import FeatureDraft
 from models.llama import Llama, from_hf_state_dict, is_serving_only, random_model, to_hf_state_dict
 from models.loading import ModelLoadError, TextTokenizer, resolve_model
 from models.loading.streaming import stream_model, streamed_source
@@ -96,6 +98,16 @@ def build_draft(spec: str, target: Llama, mesh: MeshSpec = MeshSpec()) -> Llama:
     return build_model(spec, dtype=target.config.dtype, mesh=mesh, tensor_parallel=False).model
 
 
+def build_feature_draft(spec: str, target: Llama) -> FeatureDraft:
+    """'feature' (the shipped feature draft of the target) or 'feature:DIR' (one saved by `jaxspec distill
+    --kind feature --out DIR`); it shares the target's embedding and head and takes its dtype."""
+    from jaxspec import feature_distill  # imported lazily: optional artefact
+
+    if spec == "feature":
+        return feature_distill.load_shipped_feature_draft(target)
+    return feature_distill.load_feature_draft(spec.split(":", 1)[1], target)
+
+
 def build_proposer(kind: str, target: Llama, draft: str | None = None,
                    ngram: tuple[int, int] = (1, 3), mesh: MeshSpec = MeshSpec()) -> Proposer | None:
     if kind == "none":
@@ -103,7 +115,10 @@ def build_proposer(kind: str, target: Llama, draft: str | None = None,
     if kind == "ngram":
         return PromptLookupProposer(min_ngram=ngram[0], max_ngram=ngram[1])
     if kind == "draft":
-        return DraftModelProposer(build_draft(draft or "default", target, mesh))
+        spec = draft or "default"
+        if spec == "feature" or spec.startswith("feature:"):
+            return FeatureDraftProposer(build_feature_draft(spec, target))
+        return DraftModelProposer(build_draft(spec, target, mesh))
     raise ValueError(f"unknown proposer {kind!r}; choose one of {', '.join(PROPOSERS)}")
 
 
@@ -148,5 +163,5 @@ def build_engine(model: str | None = None, proposer: str = "none", draft: str | 
     return Engine(built.model, prop, menu or load_menu(), mesh=mesh), built.tokenizer
 
 
-__all__ = ["build_engine", "build_model", "build_proposer", "build_draft", "load_menu", "load_mesh",
+__all__ = ["build_engine", "build_model", "build_proposer", "build_draft", "build_feature_draft", "load_menu", "load_mesh",
            "truncated_copy", "ModelLoadError", "PROPOSERS"]

@@ -110,7 +110,7 @@ def build_draft(target: Llama, arch: DraftArch, keep_ids=None, seed: int = 0) ->
         idx = np.asarray(arch.init_layers)
         for name in draft.stacked_weight_names():
             getattr(draft, name).value = getattr(target, name).value[idx]
-        draft.final_norm.value = target.final_norm.value
+        draft.final_norm.value = jnp.copy(target.final_norm.value)  # a copy: training donates its params
     return draft
 
 
@@ -157,12 +157,18 @@ def kl_loss(draft: DraftLlama, tokens, mask, top_ids, top_lp, full_to_kept):
 
 
 class Trainer:
-    """Holds the draft's trainable state, the optimizer and the checkpoint manager."""
+    """Holds the draft's trainable state, the optimizer and the checkpoint manager.
+
+    `loss(draft, *batch, full_to_kept) -> (loss, aux)` over the data `fields` (default: the token draft's
+    KL; the feature draft passes its own, jaxspec/feature_distill.py). `aux` is the top-1 agreement, a
+    scalar or one per depth."""
 
     def __init__(self, draft: DraftLlama, data: dict[str, np.ndarray], tc: TrainConfig,
-                 ckpt_dir: str | Path | None = None):
+                 ckpt_dir: str | Path | None = None, loss=kl_loss,
+                 fields: tuple[str, ...] = ("tokens", "mask", "top_ids", "top_lp")):
         self.tc = tc
         self.data = data
+        self.loss, self.fields = loss, fields
         self.graphdef, self.params, self.rest = nnx.split(draft, nnx.Param, ...)
         self.tx = make_optimizer(tc)
         self.opt_state = self.tx.init(self.params)
@@ -179,12 +185,12 @@ class Trainer:
             self.mgr = ocp.CheckpointManager(
                 Path(ckpt_dir).absolute(),
                 options=ocp.CheckpointManagerOptions(max_to_keep=2, keep_period=100, save_interval_steps=1))
-        graphdef, rest, tx = self.graphdef, self.rest, self.tx
+        graphdef, rest, tx, objective = self.graphdef, self.rest, self.tx, self.loss
 
         def train_step(params, opt_state, batch, full_to_kept):
             def loss_fn(p):
                 model = nnx.merge(graphdef, p, rest)
-                return kl_loss(model, *batch, full_to_kept)
+                return objective(model, *batch, full_to_kept)
 
             (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -203,22 +209,28 @@ class Trainer:
 
     def batch(self, step: int):
         idx = self.batch_indices(step)
-        d = self.data
-        return (d["tokens"][idx], d["mask"][idx], d["top_ids"][idx], d["top_lp"][idx])
+        return tuple(self.data[name][idx] for name in self.fields)
 
     def train_step(self) -> tuple[float, float, int]:
         batch = self.batch(self.step)
         self.params, self.opt_state, loss, agree = self._train_step(self.params, self.opt_state, batch,
                                                                     self.full_to_kept)
         self.step += 1
-        return float(loss), float(agree), int(batch[1].sum())
+        return float(loss), float(np.mean(agree)), int(batch[1].sum())
 
-    def eval_loss(self, data: dict[str, np.ndarray], max_rows: int = 32) -> tuple[float, float]:
+    def eval_loss(self, data: dict[str, np.ndarray], max_rows: int = 32, rows_per_call: int = 8):
+        """(loss, top-1 agreement) on the first `max_rows` rows of `data`, in calls of `rows_per_call` rows;
+        the agreement is a list (one per depth) when the loss reports one per depth."""
         model = self.model()
-        fn = jax.jit(lambda m, *b: kl_loss(m, *b, self.full_to_kept))
+        fn = jax.jit(lambda m, *b: self.loss(m, *b, self.full_to_kept))
         n = min(max_rows, len(data["tokens"]))
-        loss, agree = fn(model, data["tokens"][:n], data["mask"][:n], data["top_ids"][:n], data["top_lp"][:n])
-        return float(loss), float(agree)
+        parts = [fn(model, *(data[name][i:i + rows_per_call] for name in self.fields))
+                 for i in range(0, n, rows_per_call)]
+        weights = np.asarray([data["mask"][i:i + rows_per_call].sum() for i in range(0, n, rows_per_call)], float)
+        weights = weights / max(weights.sum(), 1.0)
+        loss = float(sum(w * float(p[0]) for w, p in zip(weights, parts)))
+        agree = sum(w * np.asarray(p[1], np.float64) for w, p in zip(weights, parts))
+        return loss, (agree.tolist() if np.ndim(agree) else float(agree))
 
     def model(self) -> DraftLlama:
         return nnx.merge(self.graphdef, self.params, self.rest)
@@ -450,6 +462,9 @@ def draft_step_latency(draft: DraftLlama, batch: int, window: int = 256, reps: i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kind", choices=("token", "feature"), default="token",
+                        help="token: a small LM draft (--arch); feature: an EAGLE-style draft reading the target's "
+                             "features (jaxspec/feature_distill.py, written to jaxspec/drafts/<target>/feature)")
     parser.add_argument("--model", default=None, help="target model spec (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--arch", default=DEFAULT_ARCH,
                         help=f"draft architecture: a YAML path or one of {', '.join(draft_archs())}")
@@ -476,6 +491,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--ckpt-every", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--feature-layers", type=int, default=1, help="--kind feature: decoder layers of the draft")
+    parser.add_argument("--ttt-passes", type=int, default=3,
+                        help="--kind feature: training-time-test passes (the proposal depths trained)")
+    parser.add_argument("--reg-weight", type=float, default=1.0,
+                        help="--kind feature: weight of the feature regression next to the KL")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -489,6 +509,11 @@ def _load_target(spec):
 
 def run(args: argparse.Namespace) -> int:
     from jaxspec import distill_data as dd
+
+    if args.kind == "feature":
+        from jaxspec import feature_distill
+
+        return feature_distill.run(args)
 
     t_start = time.time()
     arch = DraftArch.load(args.arch)

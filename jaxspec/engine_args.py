@@ -45,8 +45,9 @@ class EngineArgs:
     model: str | None = _flag(None, "target model: a name from `jaxspec models`, a .gguf file, or a directory",
                               shown="the embedded SmolLM2-135M-Instruct")
     proposer: str = _flag("none", "speculation proposer", shown="none = plain decoding", choices=PROPOSERS)
-    draft: str | None = _flag(None, "draft model for --proposer draft: 'default' (shipped distilled draft), 'self', "
-                              "'truncated:N' (first N target layers) or a model spec", shown="default")
+    draft: str | None = _flag(None, "draft model for --proposer draft: 'default' (shipped distilled draft), 'feature' "
+                              "(shipped EAGLE-style feature draft, reads the target's hidden states), 'feature:DIR', "
+                              "'self', 'truncated:N' (first N target layers) or a model spec", shown="default")
     ngram: tuple[int, int] = _flag((1, 3), "n-gram sizes tried by --proposer ngram, longest first", shown="1,3",
                                    type=_ngram_range, metavar="MIN,MAX")
     policy: str | None = _flag(None, f"speculation policy: {POLICY_HELP}",
