@@ -1,0 +1,132 @@
+"""With the feature draft's q, the engine's speculative step preserves the target distribution at every position.
+
+Setup. The whole engine step (feature-draft proposals with their q, target pass, rejection sampling, commit) on
+a random target with V = 8 tokens and a feature draft made from its last layer, whose output vocabulary is pruned
+to 6 tokens (q is exactly 0 on the other two). 512 slots hold the same context (prompt and pending token); each of 1024
+rounds restores that state, gives every slot a fresh seed and runs one k = 3 step: N = 2^19 rows. Rows cycle
+through the caps (3, 3, 1, 0) of `row_k`.
+
+What must hold. Given that a row emitted x_0 .. x_{j-1}, x_j follows warp(target after context, x_0 .. x_{j-1})
+(from the cache-free reference forward). Checked as in tests/test_sampling_distribution.py: x_0 over all rows,
+and for each cap c and position j <= c, x_j over that cap's rows reaching j, in cells (x_0 .. x_{j-1}, x_j);
+one Pearson chi-square per test (cells expected below 10 pooled), m = 8 tests, Bonferroni at α = 1e-3.
+
+Power. The same N, V and m as tests/test_sampling_distribution.py, so a 0.5-point bias in x_0 between any two
+tokens is caught with power >= 0.989 (its docstring has the computation). Shown here: the same engine with a
+verify whose first token is biased by 0.5 points is rejected at the same seeds where the real one passes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import chi2
+
+from jaxspec import engine as engine_module
+from jaxspec import sampling
+from jaxspec.engine import Engine
+from jaxspec.feature_distill import FeatureArch, build_feature_draft
+from jaxspec.menu import Menu
+from jaxspec.proposers.feature_draft import FeatureDraftProposer
+from jaxspec.types import RowParams, SamplingParams
+from models.config import TINY
+from models.llama import random_model
+from tests.test_sampling_distribution import ALPHA, N, V, _first_token_biased, _pearson
+
+K, SLOTS, CAPS = 3, 512, (3, 3, 1, 0)
+CONFIG = (0.9, 0.9, 6)  # temperature, top-p, top-k: every warping path
+CONTEXT = [1, 5, 2, 7, 3]
+MENU = Menu(num_slots=SLOTS, max_len=16, batch_buckets=(SLOTS,), k_menu=(0, K), window_buckets=(16,),
+            prefill_buckets=(8,))
+TARGET_CONFIG = TINY.replace(name="tiny-v8", vocab_size=V)
+
+
+def _models():
+    """A random target and a feature draft built from its last layer (so it is often, not always, right)."""
+    target = random_model(TARGET_CONFIG, seed=3)
+    return target, build_feature_draft(target, FeatureArch(vocab_keep=None), keep_ids=np.arange(6))
+
+
+def _emit(target, draft) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """N rows of one k = 3 step from the same context. -> tokens [N, K+1], counts [N], caps [N], pending."""
+    engine = Engine(target, FeatureDraftProposer(draft), MENU)
+    engine.warmup(progress=False)
+    temperature, top_p, top_k = CONFIG
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    pending = {engine.prefill(s, CONTEXT, params, seed=0) for s in range(SLOTS)}  # one seed: one pending token
+    assert len(pending) == 1
+    snapshot, lengths = jax.tree.map(jnp.copy, engine.state), engine.lengths.copy()
+    proposer_lengths = engine.proposer_lengths.copy()
+    caps = np.asarray(CAPS)[np.arange(SLOTS) % len(CAPS)]
+    tokens, counts = [], []
+    for r in range(N // SLOTS):
+        state = jax.tree.map(jnp.copy, snapshot)
+        seeds = state.params.seed.at[:SLOTS].set(jnp.arange(SLOTS, dtype=jnp.int32) + (r + 1) * SLOTS)
+        engine.state = state.__class__(**{**vars(state), "params": state.params.__class__(
+            **{**vars(state.params), "seed": seeds})})
+        engine.lengths[:], engine.proposer_lengths[:] = lengths, proposer_lengths
+        result = engine.step(list(range(SLOTS)), K, caps.tolist())
+        tokens.append(result.tokens)
+        counts.append(result.counts)
+    return np.concatenate(tokens), np.concatenate(counts), np.tile(caps, N // SLOTS), pending.pop()
+
+
+def _expected(target, pending: int) -> dict[tuple[int, ...], np.ndarray]:
+    """warp(target) after context + pending + every prefix of up to K tokens: {prefix: probabilities [V]}."""
+    prefixes = [p for j in range(K + 1) for p in itertools.product(range(V), repeat=j)]
+    base = CONTEXT + [pending]
+    width = len(base) + K
+    tokens = np.zeros((len(prefixes), width), np.int32)
+    for i, p in enumerate(prefixes):
+        tokens[i, :len(base) + len(p)] = base + list(p)
+    last = np.asarray([len(base) + len(p) - 1 for p in prefixes])
+    logits = np.asarray(target(jnp.asarray(tokens)))[np.arange(len(prefixes)), last]  # [P, V]
+    temperature, top_p, top_k = CONFIG
+    n = len(prefixes)
+    rows = RowParams(temperature=jnp.full((n,), temperature), top_p=jnp.full((n,), top_p),
+                     top_k=jnp.full((n,), top_k, jnp.int32), keys=sampling.row_keys(jnp.zeros((n,), jnp.int32),
+                                                                                   jnp.zeros((n,), jnp.int32)))
+    probs = np.asarray(sampling.warp(jnp.asarray(logits), rows))
+    return dict(zip(prefixes, probs))
+
+
+def _p_values(tokens, counts, caps, expected) -> dict[str, tuple[float, int, int]]:
+    tests = {"x0, all rows": (np.ones_like(caps, bool), 0)}
+    for c in sorted(set(CAPS), reverse=True):
+        for j in range(c + 1):
+            tests[f"cap {c}, x{j}" + (" (bonus)" if j == c else "")] = (caps == c, j)
+    out = {}
+    for name, (rows, j) in tests.items():
+        reached = rows & (counts > j)
+        groups = [p for p in expected if len(p) == j]  # every prefix x_0 .. x_{j-1}
+        index = {p: g for g, p in enumerate(groups)}
+        prefix = np.asarray([index[tuple(row[:j])] for row in tokens[reached]])
+        cells = np.bincount(prefix * V + tokens[reached, j], minlength=len(groups) * V).reshape(len(groups), V)
+        stat, df, impossible = _pearson(cells, np.stack([expected[p] for p in groups]))
+        assert df > 0, name
+        out[name] = (0.0 if impossible else float(chi2.sf(stat, df)), df, int(reached.sum()))
+    return out
+
+
+@pytest.mark.parametrize("biased", [False, True], ids=["exact", "first-token-biased"])
+def test_feature_draft_steps_preserve_the_target_at_every_position(biased, monkeypatch):
+    if biased:  # the engine's step traces `verify` when it compiles: swap in the broken one
+        monkeypatch.setattr(engine_module, "verify", _first_token_biased)
+    target, draft = _models()
+    tokens, counts, caps, pending = _emit(target, draft)
+    if not biased:  # structure, and not vacuous: every cap has rows that accept all and rows that reject
+        assert np.all((counts >= 1) & (counts <= caps + 1))
+        for c in set(CAPS) - {0}:
+            assert 0 < np.mean(counts[caps == c] == c + 1) < 1, c
+        assert np.all(tokens[:, 0][counts >= 1] < V)
+    results = _p_values(tokens, counts, caps, _expected(target, pending))
+    level = ALPHA / len(results)
+    report = "\n".join(f"  {name}: p = {p:.3g} (df {df}, {n} rows)" for name, (p, df, n) in results.items())
+    if biased:
+        assert any(p < level for p, _, _ in results.values()), f"a broken verify was accepted:\n{report}"
+    else:
+        assert all(p >= level for p, _, _ in results.values()), f"rejected at p < {level:.3g}:\n{report}"
