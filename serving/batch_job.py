@@ -133,7 +133,7 @@ class BatchSummary:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.finish_reasons.items())) or "none"
         return (f"batch: {self.lines} lines | {self.already_done} already done | {self.completed} completed | "
                 f"{self.errors} errors ({self.malformed} malformed) | {self.duplicates} duplicate ids\n"
-                f"batch: {self.generated_tokens} tokens in {self.elapsed_s:.1f} s = {self.tokens_per_s:.1f} tokens/s | "
+                f"batch: {self.generated_tokens} tokens in {self.elapsed_s:.2f} s = {self.tokens_per_s:.1f} tokens/s | "
                 f"mean acceptance {acc} | finish reasons: {reasons}")
 
 

@@ -72,7 +72,7 @@ class RayBatchConfig:
     """How the job runs on Ray.
 
     replicas:      actors, each with its own engine (each takes replica_cpus CPUs and replica_gpus GPUs).
-    address:       an existing cluster ("auto", "HOST:PORT", "ray://HOST:PORT"); None starts a local Ray.
+    address:       an existing cluster ("auto", or the head's "HOST:PORT"); None starts a local Ray.
     block_lines:   input lines per block (the unit of scheduling, retry and resume).
     in_flight:     blocks handed to a replica at once (2: its batch never drains between blocks).
     """
@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ray", action="store_true", help="run the job on a pool of Ray actors, one engine each")
     group.add_argument("--replicas", type=int, default=None, metavar="N", help="with --ray: engines (default 2)")
     group.add_argument("--ray-address", default=None, metavar="ADDR",
-                       help="with --ray: join this cluster ('auto', HOST:PORT, ray://HOST:PORT); default: a local Ray")
+                       help="with --ray: join this cluster ('auto' or the head's HOST:PORT); default: a local Ray")
     group.add_argument("--block-lines", type=int, default=None, metavar="L",
                        help="with --ray: input lines per block, the unit of retry and resume (default 64)")
     group.add_argument("--replica-cpus", type=float, default=None, metavar="C", help="with --ray: CPUs per replica "

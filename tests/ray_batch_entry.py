@@ -53,6 +53,11 @@ def failing_fake_replica():
     return engine, tokenizer, policy
 
 
+def broken_replica():
+    """A replica whose engine cannot be built."""
+    raise ValueError("no such model: 'nowhere'")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     batch_cmd.add_arguments(parser)

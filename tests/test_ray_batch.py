@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray")
 
 from jaxspec.engine_args import EngineArgs  # noqa: E402
 from serving import cli, ray_batch  # noqa: E402
+from serving.batch_job import BatchJobError  # noqa: E402
 from serving.ray_batch import RayBatchConfig, run_ray_batch  # noqa: E402
 from tests import ray_batch_entry  # noqa: E402
 
@@ -221,3 +222,7 @@ def test_clear_errors(cluster, reference, tmp_path, capsys):
                                                           "block_lines": 64}))
     assert cli.main([*base, "--ray"]) == 2
     assert "holds the blocks of another job" in capsys.readouterr().err
+    # replicas that cannot build their engine: one line naming the cause
+    with pytest.raises(BatchJobError, match=r"no replica could build its engine \(replica 0: .*no such model"):
+        run_ray_batch(ray_batch_entry.broken_replica, inp, tmp_path / "b.jsonl", config=RayBatchConfig(replicas=1),
+                      progress=False, log=io.StringIO())
