@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # a sweep takes several proposers and policies (--proposers, --policies): only these engine flags are single
     EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh"), defaults={"draft": "default"})
     parser.add_argument("--proposers", type=_strs, default=None,
-                        help="comma-separated of ngram,draft (default: both; --quick runs draft on chat only)")
+                        help="comma-separated of ngram,draft,feature (feature: the draft proposer with --draft feature, "
+                             "side by side with --draft's; default: ngram,draft; --quick runs draft on chat only)")
     parser.add_argument("--workload", "--workloads", dest="workloads", default="all",
                         help="comma-separated of chat,summarization,qa,sql,code or 'all' (default: all)")
     parser.add_argument("--policies", type=_strs, default=None,
@@ -120,9 +121,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     q = args.quick
     workloads = parse_names(args.workloads)
     proposers = tuple(args.proposers or ("ngram", "draft"))
-    bad = [p for p in proposers if p not in ("ngram", "draft", "ngram-tree")]
+    bad = [p for p in proposers if p not in ("ngram", "draft", "feature", "ngram-tree")]
     if bad:
-        raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft, ngram-tree (with --tree)")
+        raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft, feature, ngram-tree (with --tree)")
     tree = getattr(args, "tree", None)
     if tree is not None:
         TreeEnvelope.parse(tree)  # a bad envelope fails here
@@ -227,7 +228,8 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
     log(f"warm-up + profiles: {time.perf_counter() - t0:.1f} s")
 
     def runs_for(workload_name):
-        return [p for p in proposers if not (p == "draft" and s.draft_only_on and workload_name not in s.draft_only_on)]
+        return [p for p in proposers
+                if not (p in ("draft", "feature") and s.draft_only_on and workload_name not in s.draft_only_on)]
 
     def policies_for(proposer_name):
         """The policies a proposer runs under; the tree under fixed:N and goodput only (its other fixed k are
@@ -389,7 +391,10 @@ def run(args: argparse.Namespace) -> int:
     built = build_model(model_spec, seed=s.seed, dtype=args.dtype, mesh=mesh)
     proposers = {}
     for name in s.proposers:  # ngram-tree: the ngram proposer on a menu with the tree envelope (sweep)
-        proposers[name] = build_proposer(name.removesuffix("-tree"), built.model, draft_spec, mesh=mesh)
+        if name == "feature":  # the shipped feature draft next to --draft's
+            proposers[name] = build_proposer("draft", built.model, "feature", mesh=mesh)
+        else:
+            proposers[name] = build_proposer(name.removesuffix("-tree"), built.model, draft_spec, mesh=mesh)
     started = time.time()
     records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if "draft" in proposers else "",
                     mesh=mesh)

@@ -352,6 +352,8 @@ class EngineMeasure:
                 accept_rate at k = 1.
     accept_rate Σ accepted / Σ proposed (fraction of proposed draft tokens kept; falls with k).
     tokens_per_step  Σ emitted / #row-steps.
+    depth_acceptance  per depth j = 1..k, P(proposal j accepted | proposals < j accepted), over the
+                row-steps that verified all k proposals (`full_steps[a]`: how many of them accepted a).
     tok_s       emitted decode tokens / decode wall time (prefill excluded).
     cpu_tok_s   emitted decode tokens / this process's CPU time over the same span (all threads):
                 on a shared machine the fairer throughput when other jobs steal cores."""
@@ -367,6 +369,14 @@ class EngineMeasure:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     outputs: list = dataclasses.field(default_factory=list)
+    full_steps: list = dataclasses.field(default_factory=list)  # [k+1] counts of accepted a = 0..k
+
+    @property
+    def depth_acceptance(self) -> list[float]:
+        counts = np.asarray(self.full_steps or [0] * (self.k + 1), np.float64)
+        reached = counts[::-1].cumsum()[::-1]  # reached[j] = row-steps that accepted at least j
+        return [float(reached[j] / reached[j - 1]) if reached[j - 1] else float("nan")
+                for j in range(1, self.k + 1)]
 
     @property
     def accept_rate(self) -> float:
@@ -389,6 +399,8 @@ class EngineMeasure:
         for f in ("accepted", "proposed", "rejections", "emitted", "row_steps", "seconds", "cpu_seconds"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.outputs += other.outputs
+        mine, theirs = self.full_steps or [0] * (self.k + 1), other.full_steps or [0] * (other.k + 1)
+        self.full_steps = [a + b for a, b in zip(mine, theirs)]
         return self
 
     @property
@@ -401,7 +413,7 @@ def measure_engine(engine, prompts: list[list[int]], k: int, batch: int, tempera
     """Generate for `prompts` in groups of `batch` with a fixed k; collect acceptance and speed."""
     from jaxspec.types import SamplingParams
 
-    m = EngineMeasure(k=k, batch=batch, temperature=temperature)
+    m = EngineMeasure(k=k, batch=batch, temperature=temperature, full_steps=[0] * (k + 1))
     for g in range(0, len(prompts), batch):
         group = prompts[g:g + batch]
         slots = list(range(len(group)))
@@ -419,6 +431,8 @@ def measure_engine(engine, prompts: list[list[int]], k: int, batch: int, tempera
                 m.proposed += int(res.proposed[row])
                 m.rejections += int(res.accepted[row] < res.proposed[row])
                 m.row_steps += 1
+                if k and res.proposed[row] == k:
+                    m.full_steps[int(res.accepted[row])] += 1
                 for t in toks:  # nothing past max_tokens or an EOS
                     if len(outs[s]) >= max_tokens or outs[s][-1] in eos_ids:
                         break

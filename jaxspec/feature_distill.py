@@ -5,7 +5,7 @@ Recipe (docs/drafts.md, "The feature draft"):
      stored next to its top-K log-probs: on-policy greedy continuations, then teacher-forced ShareGPT answers.
   2. model: one decoder layer at the target's width, initialised from the target's last layer; the target's
      embedding, final norm and (pruned) LM head are shared and frozen.
-  3. loss over J training-time-test passes (`FeatureDraft.ttt_features`: pass j is the depth-j proposal):
+  3. loss over U training-time-test passes (`FeatureDraft.ttt_features`: pass j is the depth-j proposal):
      KL(target || draft) over the target's top-K + `reg_weight` x smooth L1 between the normalised predicted
      and real features, mean over passes.
   4. optax AdamW, orbax checkpoints, resumable, tqdm (jaxspec.distill.Trainer); a held-out top-1 agreement
@@ -46,7 +46,7 @@ class FeatureArch:
 
     num_layers: int = 1
     vocab_keep: int | None = 8192  # None: the full vocabulary
-    passes: int = 3  # training-time-test depth J
+    passes: int = 3  # training-time-test depth U
     reg_weight: float = 1.0  # weight of the feature regression next to the KL
 
     @classmethod
@@ -72,14 +72,14 @@ def build_feature_draft(target: Llama, arch: FeatureArch, keep_ids=None, seed: i
 
 def feature_loss(draft: FeatureDraft, tokens, mask, top_ids, top_lp, features, full_to_kept, *, passes: int,
                  reg_weight: float):
-    """Mean over the J passes of KL(target || draft) over the target's top-K + reg_weight x smooth L1 of the
+    """Mean over the U passes of KL(target || draft) over the target's top-K + reg_weight x smooth L1 of the
     normalised features, each over the positions a depth-j proposal exists for (p >= j-1, masked).
 
     tokens, mask: [B, T]; top_ids, top_lp: [B, T, K]; features: [B, T, D] the target's; full_to_kept: [V].
-    Returns (loss, top-1 agreement per depth [J])."""
+    Returns (loss, top-1 agreement per depth [U])."""
     eps = draft.config.rms_norm_eps
     real = features.astype(jnp.float32)
-    predicted = draft.ttt_features(tokens, real, passes)  # [J, B, T, D]
+    predicted = draft.ttt_features(tokens, real, passes)  # [U, B, T, D]
     kid = full_to_kept[top_ids]  # [B, T, K]
     lp = top_lp.astype(jnp.float32)
     unit = jnp.ones((real.shape[-1],), jnp.float32)

@@ -14,7 +14,7 @@ At depth j > 1 the draft feeds itself: the entry at s+j-1 fuses the proposed tok
 draft's predicted feature of s+j-2. The logits are full-vocabulary with -inf outside the kept ids, so
 q = warp(logits) is exact under rejection sampling (as `models.draft.DraftLlama`).
 
-`ttt_features` is the training-time forward (EAGLE-3's "training-time test"): J passes over a teacher-forced
+`ttt_features` is the training-time forward (EAGLE-3's "training-time test"): U passes over a teacher-forced
 sequence, pass j at position p being the depth-j entry of a draft anchored at s = p-j+1, attending to what
 that entry sees in serving (real-feature entries up to s, then the anchor's own depth-2..j entries).
 """
@@ -79,7 +79,7 @@ class FeatureDraft(DraftLlama):
                                           embeds=self.fused_inputs(inputs.tokens, features))
 
     def ttt_features(self, tokens: jax.Array, features: jax.Array, passes: int) -> jax.Array:
-        """Training-time test: predicted features [J, B, T, D] of J passes over a teacher-forced sequence.
+        """Training-time test: predicted features [U, B, T, D] of U passes over a teacher-forced sequence.
 
         tokens [B, T]; features [B, T, D] the target's real features. Pass 1 is the draft on real features
         (entry p: token p, f_{p-1}); pass j feeds entry p with pass j-1's prediction at p-1, and attends to
@@ -108,7 +108,7 @@ class FeatureDraft(DraftLlama):
             x, _ = self._run_layers(self.fused_inputs(tokens, previous), positions, attend, (), layers)  # [B, T, D]
             outputs.append(x)
             previous = shift(x)
-        return jnp.stack(outputs)  # [J, B, T, D]
+        return jnp.stack(outputs)  # [U, B, T, D]
 
 
 def ttt_mask(t: int, j: int) -> np.ndarray:
