@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # a sweep takes several proposers and policies (--proposers, --policies): only these engine flags are single
     EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh"), defaults={"draft": "default"})
     parser.add_argument("--proposers", type=_strs, default=None,
-                        help="comma-separated of ngram,draft,feature (feature: the draft proposer with --draft feature, "
-                             "side by side with --draft's; default: ngram,draft; --quick runs draft on chat only)")
+                        help="comma-separated of ngram,draft,feature (feature: the draft proposer with --draft "
+                             "feature, side by side with --draft's; default: ngram,draft; --quick: draft on chat only)")
     parser.add_argument("--workload", "--workloads", dest="workloads", default="all",
                         help="comma-separated of chat,summarization,qa,sql,code or 'all' (default: all)")
     parser.add_argument("--policies", type=_strs, default=None,

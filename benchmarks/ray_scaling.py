@@ -8,8 +8,9 @@ in turn, `--repeats` times, on a fresh output. The table takes each run's own su
 tokens/s = generated tokens / generation seconds, which for plain `jaxspec batch` start once its engine is
 warmed up and for `--ray` once every replica is (so building and warming engines is outside both, and
 shown apart as start-up, the command's wall time minus generation). Ray overhead per request =
-(generation s at 1 replica - plain generation s) / prompts. `uptime`'s load averages are recorded before
-and after every run: the machine may be shared.
+(generation s at 1 replica - plain generation s) / prompts; it includes plain's one fsync per record
+(measured here too: `fsync_ms`), which `--ray` replaces by one atomic write per block. `uptime`'s load
+averages are recorded before and after every run: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -35,6 +36,22 @@ TOPICS = ["a lighthouse keeper", "the history of tea", "how rainbows form", "a r
 def load() -> str:
     """The 1, 5 and 15 minute load averages."""
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def fsync_ms(directory: Path, n: int = 50) -> float:
+    """Milliseconds per append + fsync of a record-sized line here: what plain `jaxspec batch` pays per
+    record inside its engine loop (`--ray` writes a block at a time, in the driver)."""
+    path = directory / "fsync-probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            os.write(fd, b"x" * 400 + b"\n")
+            os.fsync(fd)
+        return (time.perf_counter() - t0) / n * 1e3
+    finally:
+        os.close(fd)
+        path.unlink()
 
 
 def make_input(path: Path, prompts: int, max_tokens: int) -> None:
@@ -81,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         inp = work / "in.jsonl"
         make_input(inp, args.prompts, args.max_tokens)
+        probes = [fsync_ms(work)]
         rows = []
         for _ in range(args.repeats):
             for name, flags in configs:
@@ -89,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"tokens/s (wall {row['wall_s']:.1f} s; load {row['load_before']} -> {row['load_after']})",
                       file=sys.stderr)
                 rows.append(row)
+        probes.append(fsync_ms(work))
     outputs = {r["config"]: [json.loads(line)["token_ids"] for line in sorted(
         r["output"].splitlines(), key=lambda line: json.loads(line)["id"])] for r in rows}
     same = len({json.dumps(v) for v in outputs.values()}) == 1
-    text = report(args, rows, same)
+    text = report(args, rows, same, probes)
     print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -100,14 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(args, rows: list[dict], same: bool) -> str:
+def report(args, rows: list[dict], same: bool, probes: list[float]) -> str:
     median = {name: statistics.median(r["generation_s"] for r in rows if r["config"] == name)
               for name in dict.fromkeys(r["config"] for r in rows)}
     lines = [f"# `jaxspec batch --ray` scaling ({datetime.datetime.now().isoformat(timespec='minutes')})", "",
              f"- Command: `python -m benchmarks.ray_scaling {' '.join(shlex.quote(a) for a in sys.argv[1:])}`",
              f"- Input: {args.prompts} greedy prompts, max_tokens {args.max_tokens}; engine flags "
              f"`{args.engine or '(defaults)'}`; {os.cpu_count()} CPU cores.",
-             f"- Every configuration generated the same tokens: {'yes' if same else 'NO'}.", "",
+             f"- Every configuration generated the same tokens: {'yes' if same else 'NO'}.",
+             f"- One append + fsync of a record on this disk: {probes[0]:.1f} ms before the runs, {probes[1]:.1f} ms "
+             f"after (plain `jaxspec batch` pays it per record, in its engine loop).", "",
              "| run | config | tokens | generation s | tokens/s | start-up s | load before | load after |",
              "|---:|---|---:|---:|---:|---:|---|---|"]
     for i, r in enumerate(rows, 1):

@@ -163,5 +163,5 @@ def build_engine(model: str | None = None, proposer: str = "none", draft: str | 
     return Engine(built.model, prop, menu or load_menu(), mesh=mesh), built.tokenizer
 
 
-__all__ = ["build_engine", "build_model", "build_proposer", "build_draft", "build_feature_draft", "load_menu", "load_mesh",
-           "truncated_copy", "ModelLoadError", "PROPOSERS"]
+__all__ = ["build_engine", "build_model", "build_proposer", "build_draft", "build_feature_draft", "load_menu",
+           "load_mesh", "truncated_copy", "ModelLoadError", "PROPOSERS"]

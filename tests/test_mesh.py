@@ -1,7 +1,7 @@
 """The engine on a device mesh (docs/design.md, "Sharding"), on 8 forced host devices (tests/conftest.py).
 
 Every mesh gives token for token the single-device output — greedy and seeded sampling, for proposers
-none, prompt lookup and draft, over a mixed batch (rows of different lengths, caps and sampling, a slot
+none, prompt lookup, draft and feature draft, over a mixed batch (rows of different lengths, caps and sampling, a slot
 freed and refilled) — and compiles nothing after warm-up. Forced host devices share the same two cores:
 these tests are about correctness only, never speed.
 """
@@ -14,9 +14,11 @@ import pytest
 
 from jaxspec import compile_counter
 from jaxspec.engine import Engine
+from jaxspec.feature_distill import FeatureArch, build_feature_draft
 from jaxspec.menu import Menu, TreeEnvelope
 from jaxspec.mesh import MeshSpec
 from jaxspec.proposers.draft_model import DraftModelProposer
+from jaxspec.proposers.feature_draft import FeatureDraftProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
 from models.config import TINY, TINY_DRAFT
@@ -36,20 +38,21 @@ K_SCHEDULE = (2, 0, 2, 2, 0, 2, 2, 2)
 def models():
     target = random_model(TINY, seed=3)
     draft = random_model(TINY_DRAFT.replace(vocab_size=TINY.vocab_size), seed=4)
-    return target, draft
+    feature_draft = build_feature_draft(target, FeatureArch(vocab_keep=None))  # reads the target's features
+    return target, draft, feature_draft
 
 
-def _proposer(name: str, draft):
+def _proposer(name: str, draft, feature_draft):
     return {"none": lambda: None, "ngram": lambda: PromptLookupProposer(1, 3),
-            "draft": lambda: DraftModelProposer(draft)}[name]()
+            "draft": lambda: DraftModelProposer(draft), "feature": lambda: FeatureDraftProposer(feature_draft)}[name]()
 
 
 def _run(models, proposer: str, mesh: tuple[int, int]) -> tuple[list[list[int]], int]:
     """proposer 'ngram-tree': prompt lookup with the k = 2 step a tree of 2 siblings (compaction moves the
     second one's K/V when it is accepted)."""
-    target, draft = models
+    target, draft, feature_draft = models
     menu = MENU.with_tree(TreeEnvelope(2, 1)) if proposer == "ngram-tree" else MENU
-    engine = Engine(target, _proposer(proposer.removesuffix("-tree"), draft), menu, mesh=MeshSpec(*mesh))
+    engine = Engine(target, _proposer(proposer.removesuffix("-tree"), draft, feature_draft), menu, mesh=MeshSpec(*mesh))
     return _drive(engine, speculate=proposer != "none")
 
 
@@ -80,7 +83,7 @@ def _drive(engine: Engine, speculate: bool) -> tuple[list[list[int]], int]:
 
 @pytest.fixture(scope="module")
 def single_device(models):
-    return {name: _run(models, name, (1, 1))[0] for name in ("none", "ngram", "draft", "ngram-tree")}
+    return {name: _run(models, name, (1, 1))[0] for name in ("none", "ngram", "draft", "ngram-tree", "feature")}
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"data{m[0]}-model{m[1]}")
@@ -88,6 +91,14 @@ def single_device(models):
 def test_mesh_output_equals_single_device(models, single_device, proposer, mesh):
     tokens, compiles = _run(models, proposer, mesh)
     assert tokens == single_device[proposer]
+    assert compiles == 0
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (1, 4)], ids=lambda m: f"data{m[0]}-model{m[1]}")
+def test_feature_draft_on_a_mesh_equals_single_device(models, single_device, mesh):
+    """The feature draft's stored features and draft cache (replicated over `model`, slots over `data`)."""
+    tokens, compiles = _run(models, "feature", mesh)
+    assert tokens == single_device["feature"]
     assert compiles == 0
 
 
@@ -105,7 +116,7 @@ def test_weights_and_cache_carry_the_designed_shardings(models):
     """data=2, model=2 on the tiny model (N=4 query heads, G=2 kv heads, F=64, V=64): column-parallel
     QKV and gate/up, row-parallel output and down projections, vocabulary-split embedding, cache
     slots over data and kv heads over model; the draft is replicated."""
-    target, draft = models
+    target, draft, _ = models
     engine = Engine(target, DraftModelProposer(draft), MENU, mesh=MeshSpec(2, 2))
     embed_and_head, layers = engine.placed_weights()
     c = TINY

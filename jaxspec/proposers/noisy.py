@@ -33,8 +33,8 @@ class NoisyProposer(Proposer):
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         if inner.tracks_context and not isinstance(inner, DraftModelProposer | FeatureDraftProposer):
-            raise TypeError(f"NoisyProposer cannot keep the state of {type(inner).__name__} equal to the "
-                            f"history: only a draft-model or feature-draft proposer (or a stateless one) can be wrapped")
+            raise TypeError(f"NoisyProposer cannot keep the state of {type(inner).__name__} equal to the history: "
+                            f"only a draft-model or feature-draft proposer (or a stateless one) can be wrapped")
         self.inner, self.alpha, self.vocab_size = inner, float(alpha), vocab_size
         self.name = f"noisy({inner.name},{alpha:g})"
         self.config = getattr(inner, "config", None)
