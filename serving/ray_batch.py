@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -406,9 +407,13 @@ def _run_blocks(build, queue, state, config, defaults, max_queue, progress, tota
     the replicas being ready to the last block (what `jaxspec batch` times: its engine is built first)."""
     ray = _import_ray()
     t_start = time.monotonic()
+    _check_reachable(config.address)
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=config.address, include_dashboard=False, logging_level="WARNING")
+        try:
+            ray.init(address=config.address, include_dashboard=False, logging_level="WARNING")
+        except ConnectionError as exc:
+            raise BatchJobError(f"cannot join the Ray cluster at {config.address}: {exc}") from None
     replicas: list = []
     try:
         replicas = _start_replicas(ray, build, config, max_queue, log)
@@ -513,6 +518,20 @@ def _cause(exc: Exception) -> str:
     cause = getattr(exc, "cause", None) or getattr(getattr(exc, "error", None), "cause", None)
     text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
     return text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
+
+
+def _check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """A HOST:PORT address must accept a TCP connection (ray.init would retry for minutes)."""
+    if address is None or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise BatchJobError(f"--ray-address must be 'auto' or HOST:PORT, got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise BatchJobError(f"no Ray cluster at {address} ({exc}); start one with `ray start --head` "
+                            f"or leave out --ray-address for a local Ray") from None
 
 
 def _import_ray():

@@ -212,6 +212,8 @@ def test_clear_errors(cluster, reference, tmp_path, capsys):
     assert "--replicas need --ray" in capsys.readouterr().err
     assert cli.main([*base, "--ray", "--replicas", "0"]) == 2
     assert "--replicas must be >= 1" in capsys.readouterr().err
+    assert cli.main([*base, "--ray", "--ray-address", "127.0.0.1:1"]) == 2
+    assert "no Ray cluster at 127.0.0.1:1" in capsys.readouterr().err
     assert cli.main([*base, "--ray", "--replicas", "3"]) == 2  # the local cluster has 2 CPUs
     assert "need 3 CPUs; the Ray cluster has 2" in capsys.readouterr().err
     # blocks of one job are not mixed with another input or block size
