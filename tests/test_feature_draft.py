@@ -202,3 +202,34 @@ def test_save_load_and_build_from_a_directory(tiny_model, trained, tmp_path):
     from models.llama import random_model
     with pytest.raises(ValueError, match="trained for tiny"):
         load_feature_draft(tmp_path / "feature", random_model(other))
+
+
+@pytest.mark.slow
+def test_shipped_feature_draft_greedy_equals_plain_decoding_and_is_accepted():
+    """The shipped feature draft of the default target: greedy k = 3 equals plain decoding on two chat prompts,
+    and most proposals are accepted (a feature draft that lost its features would be right almost never)."""
+    from jaxspec.feature_distill import load_shipped_feature_draft
+    from models.llama import from_hf_state_dict
+    from models.loading.registry import load_model
+
+    loaded = load_model(None)
+    target = from_hf_state_dict(loaded.config, loaded.state_dict)
+    engine = Engine(target, FeatureDraftProposer(load_shipped_feature_draft(target)),
+                    Menu(num_slots=1, max_len=128, batch_buckets=(1,), k_menu=(0, 3), window_buckets=(128,),
+                         prefill_buckets=(64,)))
+    engine.warmup(progress=False)
+    tok = loaded.tokenizer
+    accepted = proposed = 0
+    for question in ("What is the capital of France?", "Write a haiku about the sea."):
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
+        outs = {}
+        for k in (0, 3):
+            out = [engine.prefill(0, prompt, SamplingParams())]
+            while len(out) < 40:
+                result = engine.step([0], k)
+                out += result.row_tokens(0)
+                accepted, proposed = accepted + int(result.accepted[0]), proposed + int(result.proposed[0])
+            engine.free(0)
+            outs[k] = out[:40]
+        assert outs[3] == outs[0]
+    assert accepted / proposed > 0.3, (accepted, proposed)
