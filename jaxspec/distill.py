@@ -513,6 +513,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def training_prompts(tokenizer, args: argparse.Namespace) -> list[list[int]]:
+    """The training prompts of `jaxspec distill` (both kinds): --prompts train-split chat turns and HumanEval stubs
+    (--code-prompts of them), at most --prompt-len tokens, shuffled by --seed."""
+    from jaxspec import distill_data as dd
+
+    n_code = min(args.code_prompts, args.prompts)
+    prompts = dd.chat_prompts(tokenizer, "train", args.prompts - n_code, args.prompt_len)
+    prompts += dd.code_prompts(tokenizer, n_code, args.prompt_len)
+    rng = np.random.default_rng(args.seed)
+    return [prompts[i] for i in rng.permutation(len(prompts))]
+
+
 def _load_target(spec):
     from models.llama import from_hf_state_dict
     from models.loading.registry import load_model
@@ -540,11 +552,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or shipped_draft_dir(tconf.name))
     progress = not args.no_progress
 
-    n_code = min(args.code_prompts, args.prompts)
-    prompts = dd.chat_prompts(tok, "train", args.prompts - n_code, args.prompt_len)
-    prompts += dd.code_prompts(tok, n_code, args.prompt_len)
-    rng = np.random.default_rng(args.seed)
-    prompts = [prompts[i] for i in rng.permutation(len(prompts))]
+    prompts = training_prompts(tok, args)
     shards = dd.build_shards(target, prompts, data_dir, tconf.eos_token_ids, rows=args.rows,
                              prompt_len=args.prompt_len, gen_len=args.gen_len, top_k=args.top_k,
                              time_budget_s=args.data_minutes * 60, progress=progress)

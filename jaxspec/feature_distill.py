@@ -164,7 +164,7 @@ def heldout_agreement(trainer, data: dict[str, np.ndarray], max_rows: int = 64) 
 def run(args: argparse.Namespace) -> int:
     """The recipe above with the flags of `jaxspec distill` (jaxspec.distill.add_arguments)."""
     from jaxspec import distill_data as dd
-    from jaxspec.distill import ARTIFACTS, TrainConfig, Trainer, _load_target
+    from jaxspec.distill import ARTIFACTS, TrainConfig, Trainer, _load_target, training_prompts
 
     t_start = time.time()
     arch = FeatureArch(num_layers=args.feature_layers, vocab_keep=args.vocab_keep or FeatureArch.vocab_keep,
@@ -176,11 +176,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or shipped_feature_draft_dir(tconf.name))
     progress = not args.no_progress
 
-    n_code = min(args.code_prompts, args.prompts)
-    prompts = dd.chat_prompts(tok, "train", args.prompts - n_code, args.prompt_len)
-    prompts += dd.code_prompts(tok, n_code, args.prompt_len)
-    rng = np.random.default_rng(args.seed)
-    prompts = [prompts[i] for i in rng.permutation(len(prompts))]
+    prompts = training_prompts(tok, args)
     shards = dd.build_shards(target, prompts, data_dir, tconf.eos_token_ids, rows=args.rows,
                              prompt_len=args.prompt_len, gen_len=args.gen_len, top_k=args.top_k,
                              time_budget_s=args.data_minutes * 60, progress=progress, features=True)
