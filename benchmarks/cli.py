@@ -13,9 +13,10 @@ Closed loop (`--closed-loop 1,4,16`): each concurrency c keeps c requests in fli
 each proposer. Greedy decoding (T = 0), so every policy generates the same tokens for a request and
 only the time differs. Each policy object is fresh per cell (no acceptance history carried over).
 Goodput policies use the device profile (`jaxspec profile`), measured once and cached.
-`--tree N[:D]` adds the proposer `ngram-tree`: prompt lookup on an engine whose k = N step verifies a
-token tree (jaxspec/tree.py) instead of a chain, under `fixed:N` and `goodput` (which then chooses among
-the chains and the tree); `fixed:N` under `ngram` is the chain of the same verify width, side by side.
+`--tree N[:D]` adds the proposer `ngram-tree` (unless `--proposers` names `draft-tree`, `ngram-tree` or both):
+prompt lookup (or the draft model) on an engine whose k = N step verifies a token tree (jaxspec/tree.py)
+instead of a chain, under `fixed:N` and `goodput` (which then chooses among the chains and the tree);
+`fixed:N` under `ngram` (`draft`) is the chain of the same verify width, side by side.
 Metrics: see benchmarks/loadgen.py. Nothing compiles inside a measured run (checked).
 """
 
@@ -33,6 +34,7 @@ from pathlib import Path
 ALL_POLICIES = ("none", "fixed:1", "fixed:3", "fixed:5", "table", "heuristic", "goodput", "goodput-per-request")
 QUICK_POLICIES = ("none", "fixed:3", "goodput")
 FIXED_BASELINES = ("none", "fixed:1", "fixed:3", "fixed:5")
+TREE_PROPOSERS = ("ngram-tree", "draft-tree")  # the chain proposer of that name on a menu with the --tree envelope
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -73,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k-menu", type=_ints, default=(0, 1, 2, 3, 4, 5), help="compiled k values (default 0..5)")
     tree_help = next(f for f in dataclasses.fields(EngineArgs) if f.name == "tree").metadata["help"]
     parser.add_argument("--tree", default=None, metavar="N[:D]",
-                        help=f"{tree_help}; here an extra proposer 'ngram-tree' beside ngram's chains, under "
-                             f"fixed:N and goodput")
+                        help=f"{tree_help}; here the proposers 'ngram-tree' (added by default) and 'draft-tree' "
+                             f"beside the chains, under fixed:N and goodput")
     parser.add_argument("--max-len", type=int, default=None, help="cache length (default prompt cap + output cap + 16)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--quick", action="store_true", help="≤ 10 min on 2 cores: few requests, short outputs, "
@@ -110,7 +112,7 @@ class Settings:
     quick: bool
     progress: bool
     draft_only_on: tuple[str, ...] | None = None  # quick: the draft proposer runs on these workloads only
-    tree: str | None = None  # --tree N[:D]: the `ngram-tree` proposer's envelope
+    tree: str | None = None  # --tree N[:D]: the envelope of the `*-tree` proposers
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -121,15 +123,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     q = args.quick
     workloads = parse_names(args.workloads)
     proposers = tuple(args.proposers or ("ngram", "draft"))
-    bad = [p for p in proposers if p not in ("ngram", "draft", "feature", "ngram-tree")]
+    bad = [p for p in proposers if p not in ("ngram", "draft", "feature") + TREE_PROPOSERS]
     if bad:
-        raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft, feature, ngram-tree (with --tree)")
+        raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft, feature, ngram-tree, draft-tree "
+                         f"(the last two with --tree)")
     tree = getattr(args, "tree", None)
+    trees = [p for p in proposers if p in TREE_PROPOSERS]
     if tree is not None:
         TreeEnvelope.parse(tree)  # a bad envelope fails here
-        proposers = proposers if "ngram-tree" in proposers else proposers + ("ngram-tree",)
-    elif "ngram-tree" in proposers:
-        raise ValueError("proposer ngram-tree needs --tree N[:D]")
+        proposers = proposers if trees else proposers + ("ngram-tree",)
+    elif trees:
+        raise ValueError(f"proposer {trees[0]} needs --tree N[:D]")
     policies = tuple(str(PolicySpec.parse(p)) for p in (args.policies or (QUICK_POLICIES if q else ALL_POLICIES)))
     max_tokens = args.max_tokens or (24 if q else 64)
     max_prompt = args.max_prompt_tokens or (160 if q else 256)
@@ -215,13 +219,13 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                                   seed=s.seed, max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens,
                                   vocab_size=target.config.vocab_size) for w in s.workloads}
     menu = bench_menu(s)
-    tree = TreeEnvelope.parse(s.tree) if s.tree is not None else None  # the ngram-tree proposer's envelope
+    tree = TreeEnvelope.parse(s.tree) if s.tree is not None else None  # the *-tree proposers' envelope
     t0 = time.perf_counter()
     plain = Engine(target, None, menu.with_k_menu((0,)), mesh=mesh)
     plain.warmup(progress=s.progress)
     engines = {}
     for name, prop in proposers.items():
-        engines[name] = Engine(target, prop, menu.with_tree(tree) if name == "ngram-tree" else menu, mesh=mesh)
+        engines[name] = Engine(target, prop, menu.with_tree(tree) if name in TREE_PROPOSERS else menu, mesh=mesh)
         engines[name].warmup(progress=s.progress)
         if any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
             make_bench_policy("goodput", engines[name])  # profile now (cached on disk)
@@ -229,12 +233,13 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
 
     def runs_for(workload_name):
         return [p for p in proposers
-                if not (p in ("draft", "feature") and s.draft_only_on and workload_name not in s.draft_only_on)]
+                if not (p in ("draft", "feature", "draft-tree") and s.draft_only_on
+                        and workload_name not in s.draft_only_on)]
 
     def policies_for(proposer_name):
-        """The policies a proposer runs under; the tree under fixed:N and goodput only (its other fixed k are
-        ngram's chains; goodput-per-request does not price trees)."""
-        if proposer_name == "ngram-tree":
+        """The policies a proposer runs under; a tree under fixed:N and goodput only (its other fixed k are
+        the chain proposer's; goodput-per-request does not price trees)."""
+        if proposer_name in TREE_PROPOSERS:
             return [spec for spec in s.policies if spec in (f"fixed:{tree.nodes}", "goodput")]
         return [spec for spec in s.policies if spec != "none"]
 
@@ -275,7 +280,8 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                 if compile_counter.count() != before:
                     raise RuntimeError(f"{compile_counter.count() - before} compiles inside a measured run")
                 rec = {"mode": "open" if kind == "rate" else "closed", "workload": wname,
-                       "proposer": proposer_name, "draft": draft_label if proposer_name == "draft" else None,
+                       "proposer": proposer_name,
+                       "draft": draft_label if proposer_name in ("draft", "draft-tree") else None,
                        "policy": spec, kind: value, **summarize(samples),
                        "catch_up_calls": engine.catch_up_totals.calls - catch_up_before.calls,
                        "catch_up_s": engine.catch_up_totals.seconds - catch_up_before.seconds}
@@ -289,7 +295,8 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
             base = cell(plain, "none", "none") if "none" in s.policies else None
             for pname in runs_for(wname):
                 if base is not None:
-                    records.append({**base, "proposer": pname, "draft": draft_label if pname == "draft" else None,
+                    records.append({**base, "proposer": pname,
+                                    "draft": draft_label if pname in ("draft", "draft-tree") else None,
                                     "engine": "plain"})
                 for spec in policies_for(pname):
                     records.append(cell(engines[pname], spec, pname))
@@ -390,18 +397,18 @@ def run(args: argparse.Namespace) -> int:
     mesh = MeshSpec.parse(args.mesh) if args.mesh else MeshSpec()
     built = build_model(model_spec, seed=s.seed, dtype=args.dtype, mesh=mesh)
     proposers = {}
-    for name in s.proposers:  # ngram-tree: the ngram proposer on a menu with the tree envelope (sweep)
+    for name in s.proposers:  # ngram-tree / draft-tree: that proposer on a menu with the tree envelope (sweep)
         if name == "feature":  # the shipped feature draft next to --draft's
             proposers[name] = build_proposer("draft", built.model, "feature", mesh=mesh)
         else:
             proposers[name] = build_proposer(name.removesuffix("-tree"), built.model, draft_spec, mesh=mesh)
     started = time.time()
-    records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if "draft" in proposers else "",
-                    mesh=mesh)
+    uses_draft = bool({"draft", "draft-tree"} & set(s.proposers))
+    records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if uses_draft else "", mesh=mesh)
     result = {
         "meta": {"command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "model": built.name,
                  "dtype": built.model.config.dtype, "mesh": str(mesh),
-                 "draft": draft_spec if "draft" in s.proposers else None, "settings": dataclasses.asdict(s),
+                 "draft": draft_spec if uses_draft else None, "settings": dataclasses.asdict(s),
                  "wall_s": time.time() - started},
         "records": records, "checks": check_goals(records),
     }

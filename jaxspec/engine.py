@@ -111,7 +111,8 @@ class Engine:
             menu = menu.with_k_menu((0,))
         if menu.tree_envelopes and not self.proposer.builds_trees:
             raise ValueError(f"the menu's tree envelopes ({', '.join(map(str, menu.tree_envelopes))}) need a proposer "
-                             f"that builds token trees; {self.proposer.name!r} does not (use the ngram proposer)")
+                             f"that builds token trees; {self.proposer.name!r} does not (use the ngram or draft "
+                             f"proposer)")
         self.menu = menu
         self.model_name = target.config.name
         self.dtype = target.config.dtype  # weights and KV cache (jaxspec.dtypes); names the cost profile
@@ -237,7 +238,10 @@ class Engine:
             # history[slot, start+1+j] = out[:, j]  (entries past counts are overwritten later)
             hist_pos = start[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :]  # [B, k+1]
             history = state.history.at[slot_ids[:, None], hist_pos].set(out, mode="drop")
-            if k > 0:
+            if tree is not None:
+                pstate = proposer.commit_tree(proposer_params, pstate, dataclasses.replace(ctx, history=history),
+                                              nodes, path, counts - 1, window)
+            elif k > 0:
                 pstate = proposer.commit(proposer_params, pstate, dataclasses.replace(ctx, history=history), k,
                                          counts - 1, window)
             new_state = DecodeState(

@@ -60,10 +60,10 @@ class EngineArgs:
     dtype: str = _flag("auto", "dtype of weights and KV cache: 'auto' (float32 on CPU, bfloat16 on GPU/TPU), "
                        "'float32' or 'bfloat16'; softmax, norms, logits, sampling and verify stay float32",
                        metavar="|".join(DTYPES))
-    tree: str | None = _flag(None, "token-tree envelope N[:D] (--proposer ngram): the step at k = N verifies a tree "
-                             "of N proposals at most D deep (default D = ceil(N/2)) in place of the chain of N; "
-                             "goodput picks it when it pays, --policy fixed:N every step", shown="none: chains only",
-                             metavar="N[:D]")
+    tree: str | None = _flag(None, "token-tree envelope N[:D] (--proposer ngram or draft): the step at k = N "
+                             "verifies a tree of N proposals at most D deep (default D = ceil(N/2)) in place of "
+                             "the chain of N; goodput picks it when it pays, --policy fixed:N every step",
+                             shown="none: chains only", metavar="N[:D]")
     mesh: str | None = _flag(None, "device mesh: 'data=D,model=M' (KV cache slots over D devices, tensor parallel over "
                              "M); overrides the engine config's mesh", shown="the engine config's, else data=1,model=1",
                              metavar="data=D,model=M")
@@ -83,9 +83,11 @@ class EngineArgs:
             MeshSpec.parse(self.mesh)  # a bad mesh fails here too
         if self.tree is not None:
             self.tree_envelope()  # a bad envelope fails here too
-            if self.proposer != "ngram":
-                raise ValueError(f"--tree needs --proposer ngram (token trees from a {self.proposer!r} proposer are "
-                                 f"not implemented)")
+            if self.proposer not in ("ngram", "draft"):
+                raise ValueError(f"--tree needs --proposer ngram or draft (a {self.proposer!r} proposer has no tree)")
+            if self.proposer == "draft" and (self.draft or "").startswith("feature"):
+                raise ValueError("--tree with the feature draft is not implemented (it drafts chains only): use the "
+                                 "token draft (--draft default or a DIR) or --proposer ngram")
             if self.policy_spec().name == "goodput-per-request":
                 raise ValueError("--tree with --policy goodput-per-request is not implemented (its per-row k "
                                  "prices chains only): use --policy goodput, fixed:N, heuristic or table")

@@ -90,6 +90,8 @@ class TreeProposals:
                pending token), i ≥ 1 is node i. Nodes are topologically ordered: parents[b, n] ≤ n.
     depth:     [B, k] int32 depth of each node (1 = a child of the root), ≤ Z.
     lens:      [B] int32 real nodes per row: nodes 0 .. lens - 1 (a prefix closed under parents).
+    draft_slots: [B, k] int32 or None: where a draft-model proposer wrote each node's own KV entry
+               (draft cache position start + 1 + slot; -1: not written), for its `commit_tree`.
     Siblings carry distinct tokens. Point masses (no q): a proposer builds its tree deterministically
     from the context, which is what makes `verify.verify_tree` exact (see its docstring).
     """
@@ -98,6 +100,7 @@ class TreeProposals:
     parents: jax.Array
     depth: jax.Array
     lens: jax.Array
+    draft_slots: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

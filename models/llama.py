@@ -241,15 +241,22 @@ def window_mask(inputs: StepInputs, window: int) -> jax.Array:
         key position j:   0 ........ s-1 | s ...... s+T-1 | s+T ... W-1
         query t sees:     all (history)  | step_mask[t,:] | nothing (stale)
     """
-    t = inputs.tokens.shape[1]
-    # rel: [B, W] key position relative to the step start
-    rel = jnp.arange(window, dtype=jnp.int32)[None, :] - inputs.start[:, None]
+    return block_window_mask(inputs.step_mask, inputs.start, window)
+
+
+def block_window_mask(block_mask: jax.Array, block_start: jax.Array, window: int) -> jax.Array:
+    """Mask [B, T, W]: every position before block_start [B] (history), then block_mask [B, T, U] over
+    the U positions from block_start on, nothing after. `window_mask` is the case U = T (the call's own
+    tokens); a draft tree's level call attends to a block of earlier nodes as well (U > T)."""
+    b, t, u = block_mask.shape
+    # rel: [B, W] key position relative to the block start
+    rel = jnp.arange(window, dtype=jnp.int32)[None, :] - block_start[:, None]
     history = rel < 0  # [B, W]
-    in_step = (rel >= 0) & (rel < t)  # [B, W]
-    # step_part: [B, T, W] = step_mask[b, t, rel[b, w]] where rel is inside the step
-    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (rel.shape[0], t, window))
-    step_part = jnp.take_along_axis(inputs.step_mask, idx, axis=2)
-    return history[:, None, :] | (in_step[:, None, :] & step_part)
+    in_block = (rel >= 0) & (rel < u)  # [B, W]
+    # block_part: [B, T, W] = block_mask[b, t, rel[b, w]] where rel is inside the block
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, u - 1)[:, None, :], (b, t, window))
+    block_part = jnp.take_along_axis(block_mask, idx, axis=2)
+    return history[:, None, :] | (in_block[:, None, :] & block_part)
 
 
 class Llama(nnx.Module):
@@ -385,16 +392,18 @@ class Llama(nnx.Module):
 
     def forward_cached(self, inputs: StepInputs, cache: KVCache, window: int,
                        logits_at: jax.Array | None = None,
-                       layers: tuple[dict, ...] | None = None) -> tuple[jax.Array, KVCache]:
+                       layers: tuple[dict, ...] | None = None,
+                       mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Write T new tokens per row into the cache and return their logits.
 
         Writes positions start..start+T-1 of each row's slot (lengths are NOT changed: the
         caller commits), attends over cache positions [0, window) masked by `window_mask`.
         `logits_at` [B, J] optionally selects which of the T positions to unembed; `layers`
-        optionally supplies per-layer weights (see `serving_split`).
+        optionally supplies per-layer weights (see `serving_split`); `mask` [B, T, W] replaces
+        `window_mask(inputs, window)` (a draft tree's level calls: `block_window_mask`).
         Returns logits [B, T or J, V] (fp32) and the updated cache.
         """
-        hidden, cache = self.forward_cached_hidden(inputs, cache, window, layers=layers)
+        hidden, cache = self.forward_cached_hidden(inputs, cache, window, layers=layers, mask=mask)
         if logits_at is not None:
             # hidden: [B, T, D] -> [B, J, D]
             hidden = jnp.take_along_axis(hidden, logits_at[:, :, None], axis=1)
@@ -402,16 +411,18 @@ class Llama(nnx.Module):
 
     def forward_cached_hidden(self, inputs: StepInputs, cache: KVCache, window: int,
                               layers: tuple[dict, ...] | None = None,
-                              embeds: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                              embeds: jax.Array | None = None,
+                              mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """`forward_cached` up to the last hidden state [B, T, D] (before the final norm: the feature a
-        feature draft reads). `embeds` [B, T, D] replaces the token embedding as the first layer's input.
+        feature draft reads). `embeds` [B, T, D] replaces the token embedding as the first layer's input;
+        `mask` [B, T, W] the window mask, as in `forward_cached`.
         The layers are unrolled (one in-place cache buffer per layer)."""
         if window > cache.max_len:
             raise ValueError(f"attention window {window} exceeds cache max_len {cache.max_len}")
         b, t = inputs.tokens.shape
         positions = inputs.start[:, None] + inputs.depth  # [B, T] RoPE positions
         write_pos = inputs.start[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] cache positions
-        mask = window_mask(inputs, window)  # [B, T, W]
+        mask = window_mask(inputs, window) if mask is None else mask  # [B, T, W]
         slots = inputs.slot_ids[:, None]  # [B, 1]
         if layers is None:  # static per-layer views of the stacked weights (drafts, tests)
             stacked = self._layer_params()

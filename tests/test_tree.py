@@ -173,9 +173,12 @@ def test_a_menu_holds_each_tree_at_its_k_and_refuses_bad_envelopes():
 
 
 def test_an_engine_refuses_trees_from_a_proposer_that_cannot_build_them(tiny_model):
+    from jaxspec.proposers.draft_model import DraftModelProposer
+    from jaxspec.proposers.noisy import NoisyProposer
+
     with pytest.raises(ValueError, match="token trees"):
-        from jaxspec.proposers.draft_model import DraftModelProposer
-        Engine(tiny_model, DraftModelProposer(tiny_model), MENU.with_tree(TreeEnvelope(6, 3)))
+        Engine(tiny_model, NoisyProposer(DraftModelProposer(tiny_model), 0.5, tiny_model.config.vocab_size),
+               MENU.with_tree(TreeEnvelope(6, 3)))
 
 
 def test_tree_steps_equal_plain_greedy_decoding_in_a_mixed_batch(tiny_model, tree_engine):

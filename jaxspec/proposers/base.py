@@ -81,6 +81,12 @@ class Proposer:
         step's emitted tokens at start+1 .."""
         return state
 
+    def commit_tree(self, params, state, ctx: StepContext, nodes: TreeProposals, path: jax.Array,
+                    n_accepted: jax.Array, window: int):
+        """After a tree step (`propose_tree`'s `nodes`): the accepted root path `path` [B, Z+1] (node numbers by
+        depth, as `tree.root_path` gives them) of depth `n_accepted` [B]; `ctx.history` as in `commit`."""
+        return state
+
 
 class NoProposer(Proposer):
     """Plain decoding: proposes nothing (only k = 0 is valid)."""
