@@ -19,15 +19,11 @@ from jaxspec.types import RowParams, SamplingParams
 from models.config import TINY
 from models.llama import chain_inputs
 from tests.conftest import random_prompts, reference_greedy
+from tests.test_engine_greedy import _truncated
+from tests.test_tree import mixed_batch_tree_counts
 
 M = 64  # cache positions in the unit tests
 WINDOW = 64
-
-
-def _truncated(target, layers: int):
-    """A copy of the target with only its first `layers` layers (a cheap draft that agrees sometimes)."""
-    from models.llama import from_hf_state_dict, to_hf_state_dict
-    return from_hf_state_dict(target.config.replace(num_layers=layers), to_hf_state_dict(target))
 
 
 def _peaked(target):
@@ -170,26 +166,9 @@ def test_draft_tree_steps_equal_plain_greedy_decoding(tiny_model, draft_kind, en
     greedy = SamplingParams(temperature=0.0)
     out = {s: [engine.prefill(s, prompts[s], greedy)] for s in range(3)}
     compiles = compile_counter.count()
-    queue, rows, steps, tree_counts = [3], {0: 0, 1: 1, 2: 2}, 0, []
     k_cycle = [envelope.nodes, envelope.nodes, 4, 0, envelope.nodes]
-    while rows:
-        slots = sorted(rows)
-        k = k_cycle[steps % len(k_cycle)]
-        result = engine.step(slots, k, row_k=[2 if rows[s] == 1 else k for s in slots])
-        for i, s in enumerate(slots):
-            out[s] += list(result.tokens[i, :result.counts[i]])
-            if k == envelope.nodes:
-                tree_counts.append(int(result.counts[i]))
-        steps += 1
-        for s in slots:
-            if len(out[s]) >= 24:
-                done = rows.pop(s)
-                assert [int(t) for t in out[s][:24]] == want[done], f"prompt {done}"
-                engine.free(s)
-                if queue:
-                    p = queue.pop()
-                    rows[s] = p
-                    out[s] = [engine.prefill(s, prompts[p], greedy)]
+    tree_counts = mixed_batch_tree_counts(engine, prompts, want, out, lambda step: k_cycle[step % len(k_cycle)],
+                                          envelope.nodes)
     assert compile_counter.count() == compiles
     assert max(tree_counts) > 1  # trees did accept tokens
     if draft_kind == "self":  # the target's own argmax is always in its tree: every tree step accepts a path

@@ -193,27 +193,36 @@ def test_tree_steps_equal_plain_greedy_decoding_in_a_mixed_batch(tiny_model, tre
     greedy = SamplingParams(temperature=0.0)
     out = {s: [engine.prefill(s, prompts[s], greedy)] for s in range(3)}
     compiles = compile_counter.count()
-    queue, rows, steps, tree_tokens = [3], {0: 0, 1: 1, 2: 2}, 0, []
+    tree_tokens = mixed_batch_tree_counts(engine, prompts, want, out, lambda step: 6 if step % 3 else 4, 6)
+    assert compile_counter.count() == compiles
+    assert max(tree_tokens) > 1  # trees did accept tokens
+
+
+def mixed_batch_tree_counts(engine, prompts, want, out, k_at, tree_k: int, n: int = 24) -> list[int]:
+    """Step slots 0..2 (prefilled with prompts 0..2; `out` holds their first tokens) with k = k_at(step), row 1
+    capped at 2, until each has n tokens, asserting they equal `want`; slot by slot the last prompt is
+    prefilled into the first freed slot. Returns the counts every row emitted in the steps at k = tree_k."""
+    greedy = SamplingParams(temperature=0.0)
+    queue, rows, steps, tree_counts = [3], {0: 0, 1: 1, 2: 2}, 0, []
     while rows:
         slots = sorted(rows)
-        k = 6 if steps % 3 else 4
+        k = k_at(steps)
         result = engine.step(slots, k, row_k=[2 if rows[s] == 1 else k for s in slots])
         for i, s in enumerate(slots):
             out[s] += list(result.tokens[i, :result.counts[i]])
-            if k == 6:
-                tree_tokens.append(int(result.counts[i]))
+            if k == tree_k:
+                tree_counts.append(int(result.counts[i]))
         steps += 1
         for s in slots:
-            if len(out[s]) >= 24:
+            if len(out[s]) >= n:
                 done = rows.pop(s)
-                assert [int(t) for t in out[s][:24]] == want[done], f"prompt {done}"
+                assert [int(t) for t in out[s][:n]] == want[done], f"prompt {done}"
                 engine.free(s)
                 if queue:
                     p = queue.pop()
                     rows[s] = p
                     out[s] = [engine.prefill(s, prompts[p], greedy)]
-    assert compile_counter.count() == compiles
-    assert max(tree_tokens) > 1  # trees did accept tokens
+    return tree_counts
 
 
 def test_real_smollm2_tree_steps_equal_plain_greedy_decoding():
