@@ -4,7 +4,7 @@
 
 On held-out ShareGPT chat prompts (crc32(id) % 10 == 0, never trained on), with the shipped token draft
 (`--draft`), every configuration runs at a fixed k at B = 8, at temperature 0 and 1, on the same prompts:
-chains k = 1, 2, 3, 4, 6, 8 and the tree envelopes of `--trees` (each at k = its node count, so a tree of N
+the chains of `--chains` and the tree envelopes of `--trees` (each at k = its node count, so a tree of N
 nodes verifies N + 1 tokens per row like the chain of N). Recorded per configuration and temperature: tokens
 per row-step (accepted + the bonus token), greedy outputs compared with plain decoding (must be equal), and
 the B = 1 step time at one context (median of `--repeats`). The machine load is recorded before and after.
@@ -27,7 +27,7 @@ from jaxspec.distill import _load_target, measure_engine
 from jaxspec.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu, TreeEnvelope
 
-CHAINS = (1, 2, 3, 4, 6, 8)
+CHAINS = "1,2,3,4,6,8"
 
 
 def _engine_groups(trees: list[TreeEnvelope]) -> list[tuple[TreeEnvelope, ...]]:
@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=16, help="held-out chat prompts")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--trees", default="4:2,6:3,8:4,6:2,8:3", help="comma-separated envelopes N:D")
+    ap.add_argument("--chains", default=CHAINS, help="comma-separated chain lengths k")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     ap.add_argument("--draft", default="default", help="--draft spec of the token draft")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", default="artifacts/draft_tree_study.json")
@@ -57,8 +59,11 @@ def main(argv=None) -> int:
     tok, eos = loaded.tokenizer, loaded.config.eos_token_ids
     prompts = dd.chat_prompts(tok, "heldout", args.prompts, 112)
     trees = [TreeEnvelope.parse(t) for t in args.trees.split(",")]
-    ks = sorted(set(CHAINS) | {t.nodes for t in trees})
-    menu = Menu(num_slots=8, max_len=256, batch_buckets=(1, 8), k_menu=(0, *ks), window_buckets=(256,),
+    chains = tuple(int(k) for k in args.chains.split(","))
+    temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    ks = sorted(set(chains) | {t.nodes for t in trees})
+    max_len = max(256, 112 + args.max_tokens + max(ks) + 16)  # prompt + output + the widest step + slack
+    menu = Menu(num_slots=8, max_len=max_len, batch_buckets=(1, 8), k_menu=(0, *ks), window_buckets=(max_len,),
                 prefill_buckets=(128,))
     plain = Engine(target, None, menu)
     plain.warmup(progress=False)
@@ -67,7 +72,7 @@ def main(argv=None) -> int:
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": loaded.config.name,
                "draft": args.draft, "prompts": len(prompts), "max_tokens": args.max_tokens, "batch": 8,
                "command": "PYTHONPATH=. python benchmarks/tree_study.py " + " ".join(argv or []), "configs": {}}
-    runs = [("chain", menu.with_k_menu((0, *CHAINS)), [(str(k), k) for k in CHAINS])]
+    runs = [("chain", menu.with_k_menu((0, *chains)), [(str(k), k) for k in chains])]
     for group in _engine_groups(trees):
         tree_menu = menu.with_k_menu((0, *(t.nodes for t in group)))
         for t in group:
@@ -78,7 +83,7 @@ def main(argv=None) -> int:
         engine.warmup(progress=False)
         for name, k in configs:
             r = {"k": k}
-            for temperature in (0.0, 1.0):
+            for temperature in temperatures:
                 m = measure_engine(engine, prompts, k, 8, temperature, args.max_tokens, eos, seed=1)
                 r[f"t{temperature:g}"] = {"tokens_per_step": round(m.tokens_per_step, 3), "row_steps": m.row_steps}
                 if temperature == 0.0:
@@ -90,11 +95,12 @@ def main(argv=None) -> int:
     results["load_before_after"] = [round(x, 2) for x in load_before] + [round(x, 2) for x in os.getloadavg()]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print("\n| config | verify width | tokens/step T=0 | tokens/step T=1 | greedy == plain | step ms (B=1) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    columns = "".join(f" tokens/step T={t:g} |" for t in temperatures)
+    print(f"\n| config | verify width |{columns} greedy == plain | step ms (B=1) |")
+    print("|---|---:|" + "---:|" * len(temperatures) + "---:|---:|")
     for name, r in results["configs"].items():
-        print(f"| {name} | {r['k'] + 1} | {r['t0']['tokens_per_step']:.2f} | {r['t1']['tokens_per_step']:.2f} | "
-              f"{r['greedy_equal']:.2f} | {r['step_ms_b1']} |")
+        cells = "".join(f" {r[f't{t:g}']['tokens_per_step']:.2f} |" for t in temperatures)
+        print(f"| {name} | {r['k'] + 1} |{cells} {r.get('greedy_equal', float('nan')):.2f} | {r['step_ms_b1']} |")
     return 0
 
 

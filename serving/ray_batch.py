@@ -193,7 +193,7 @@ class Replica:
         self._scheduler.start()
         self._lock = threading.Lock()
         self._live: dict[int, list] = {}  # block index -> its handles (progress)
-        self._description = f"{engine.model_name} / {engine.proposer_name}, pid {os.getpid()}"
+        self._description = f"{engine.model_name} / {engine.proposer_name}, mesh {engine.mesh_spec}, pid {os.getpid()}"
 
     def ready(self) -> str:
         return self._description

@@ -124,6 +124,21 @@ def test_two_replicas_give_the_plain_jobs_records_in_input_order(cluster, refere
     assert f"{len(got)} already done" in capsys.readouterr().err
 
 
+def test_each_replica_runs_its_engine_on_a_mesh(cluster, reference, tmp_path, capsys):
+    """`--mesh` applies to every replica: each actor shards its own engine over data=2, model=2 of its devices
+    (the 8 forced host devices of tests/conftest.py, inherited by the local Ray's workers) and the records are
+    still the single-device job's."""
+    inp, plain = reference
+    out = tmp_path / "out.jsonl"
+    code = cli.main(["batch", "--ray", "--replicas", "1", "--block-lines", "16", "--mesh", "data=2,model=2",
+                     "--input", str(inp), "--output", str(out), "--max-tokens", "10", "--no-progress", *TINY])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    got = out.read_text(encoding="utf-8").splitlines()
+    assert [untimed(line) for line in got] == [untimed(line) for line in plain]
+    assert "replica 0: tiny / none, mesh data=2,model=2" in err
+
+
 def _replicas_of_this_process() -> list[str]:
     prefix = f"{ray_batch.ACTOR_NAME}-{os.getpid()}-"
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))

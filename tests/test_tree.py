@@ -227,9 +227,10 @@ def mixed_batch_tree_counts(engine, prompts, want, out, k_at, tree_k: int, n: in
 
 def test_real_smollm2_tree_steps_equal_plain_greedy_decoding():
     """The real default model on a code-editing prompt (the answer repeats the input, so the trie has
-    real branches): tree steps of 8 nodes at most 4 deep give the plain engine's greedy tokens, accept
-    more than one token per step on average, and compile nothing after warm-up."""
-    from jaxspec.build import build_model
+    real branches): tree steps of 8 nodes from prompt lookup (at most 4 deep) and from the shipped draft
+    (at most 3 deep, EAGLE-2-style) give the plain engine's greedy tokens, accept more than one token per
+    step on average, and compile nothing after warm-up."""
+    from jaxspec.build import build_model, build_proposer
 
     built = build_model(None)
     menu = Menu(num_slots=1, max_len=512, batch_buckets=(1,), k_menu=(0, 8), window_buckets=(512,),
@@ -254,8 +255,10 @@ def test_real_smollm2_tree_steps_equal_plain_greedy_decoding():
         return out[:n], steps, compile_counter.count() - compiles
 
     plain, _, _ = decode(Engine(built.model, None, menu), 0)
-    tree_engine = Engine(built.model, PromptLookupProposer(1, 3), menu.with_tree(TreeEnvelope(8, 4)))
-    tree_out, steps, compiles = decode(tree_engine, 8)
-    assert tree_out == plain
-    assert compiles == 0
-    assert steps < len(plain) - 1  # some step accepted proposals
+    trees = {"prompt lookup": (PromptLookupProposer(1, 3), TreeEnvelope(8, 4)),
+             "shipped draft": (build_proposer("draft", built.model, "default"), TreeEnvelope(8, 3))}
+    for name, (proposer, envelope) in trees.items():
+        tree_out, steps, compiles = decode(Engine(built.model, proposer, menu.with_tree(envelope)), 8)
+        assert tree_out == plain, name
+        assert compiles == 0, name
+        assert steps < len(plain) - 1, name  # some step accepted proposals
