@@ -39,7 +39,7 @@ def _engine_groups(trees: list[TreeEnvelope]) -> list[tuple[TreeEnvelope, ...]]:
             groups.append([t])
         else:
             group.append(t)
-    return [tuple(g) for g in groups]
+    return [tuple(sorted(g, key=lambda t: t.nodes)) for g in groups]  # a menu's k increase
 
 
 def main(argv=None) -> int:

@@ -13,8 +13,8 @@ engine brings longer lags (after k = 0 steps) down to that with bucketed catch-u
 
 As a token tree (`propose_tree`, docs/design.md "Token trees"), EAGLE-2-style inside the envelope (N nodes,
 at most Z deep): level by level, the A most probable nodes of the newest level (path log-probability under
-the draft) are fed to the draft in one call under a tree mask and each is expanded by its N most probable
-next tokens (a wider top-k costs no draft call); the tree is the N most probable of all expanded nodes. Fed node i of level j (j = 1..Z-1) is
+the draft) are fed to the draft in one call under a tree mask and each is expanded by its A most probable
+next tokens; the tree is the N most probable of all expanded nodes. Fed node i of level j (j = 1..Z-1) is
 written at draft position s + 1 + (j-1)·A + i; after verification `commit_tree` moves the accepted path's
 entries to s + 1 .. (where a chain has them), so the lag is again at most one token.
 """
@@ -131,21 +131,18 @@ class DraftModelProposer(Proposer):
         draft, layers = self._model(params)
         logits, state = self._catch_up(draft, layers, state, ctx, window)  # [B, V] after the pending token
         b, n_nodes, z = ctx.slot_ids.shape[0], tree.nodes, tree.depth
-        a = tree_width(tree)  # nodes fed (expanded) per level
-        c = n_nodes  # children kept per expanded node: any N of them may make the tree
+        a = tree_width(tree)
         fed = (z - 1) * a  # draft entries the level calls write, (Z-1)·A
-        # level 1: the root's C most probable tokens; the first A of them are the first frontier
-        root_score, root_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), c)  # [B, C]
-        score, token = root_score[:, :a], root_token[:, :a]  # [B, A]
-        cand_token, cand_score = [root_token], [root_score]  # per level: [B, C] then [B, A·C]
-        cand_parent = [jnp.full((b, c), -1, jnp.int32)]  # candidate index of the parent (-1: the root)
-        root_slot = jnp.where(jnp.arange(c) < a, jnp.arange(c), -1) if z > 1 else jnp.full((c,), -1)  # [C]
-        cand_slot = [jnp.broadcast_to(root_slot.astype(jnp.int32), (b, c))]
-        cand_depth = [1] * c
+        # level 1: the root's A most probable tokens, all of them the first frontier
+        score, token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), a)  # [B, A]
+        cand_token, cand_score = [token], [score]  # per level: [B, A] then [B, A·A]
+        cand_parent = [jnp.full((b, a), -1, jnp.int32)]  # candidate index of the parent (-1: the root)
+        cand_slot = [jnp.broadcast_to(jnp.arange(a, dtype=jnp.int32) if z > 1 else jnp.full((a,), -1), (b, a))]
+        cand_depth = [1] * a
         frontier_cand = jnp.broadcast_to(jnp.arange(a, dtype=jnp.int32), (b, a))  # [B, A]
         # frontier_anc: [B, A, (Z-1)·A] the fed entries each frontier node may attend to (its ancestors, itself)
         frontier_anc = jnp.broadcast_to(jax.nn.one_hot(jnp.arange(a), fed, dtype=bool), (b, a, fed))
-        n_cand = c
+        n_cand = a
         for j in range(1, z):  # feed the depth-j frontier, expand it to depth j + 1
             first_slot = (j - 1) * a
             write_start = ctx.start + 1 + first_slot  # [B]
@@ -154,28 +151,28 @@ class DraftModelProposer(Proposer):
                                 jnp.broadcast_to(jnp.eye(a, dtype=bool), (b, a, a)))
             mask = block_window_mask(frontier_anc, ctx.start + 1, window)  # [B, A, W]
             logits, state = draft.forward_cached(inputs, state, window, layers=layers, mask=mask)  # [B, A, V]
-            child_score, child_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), c)  # [B, A, C]
-            child_score = (score[:, :, None] + child_score).reshape(b, a * c)  # [B, A·C] path log-probabilities
-            child_token = child_token.reshape(b, a * c)  # [B, A·C]
+            child_score, child_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), a)  # [B, A, A]
+            child_score = (score[:, :, None] + child_score).reshape(b, a * a)  # [B, A·A] path log-probabilities
+            child_token = child_token.reshape(b, a * a)  # [B, A·A]
             cand_token.append(child_token)
             cand_score.append(child_score)
-            cand_parent.append(jnp.repeat(frontier_cand, c, axis=1))  # [B, A·C]
-            cand_depth += [j + 1] * (a * c)
-            slots = jnp.full((b, a * c), -1, jnp.int32)  # [B, A·C]
+            cand_parent.append(jnp.repeat(frontier_cand, a, axis=1))  # [B, A·A]
+            cand_depth += [j + 1] * (a * a)
+            slots = jnp.full((b, a * a), -1, jnp.int32)  # [B, A·A]
             if j + 1 < z:  # the next frontier: the A most probable children, fed at slots j·A ..
                 score, pick = jax.lax.top_k(child_score, a)  # [B, A]
                 token = jnp.take_along_axis(child_token, pick, axis=1)  # [B, A]
                 own = j * a + jnp.arange(a, dtype=jnp.int32)  # [A] their fed slots
                 slots = slots.at[jnp.arange(b)[:, None], pick].set(own[None, :])
-                parent_anc = jnp.take_along_axis(frontier_anc, (pick // c)[:, :, None], axis=1)  # [B, A, (Z-1)·A]
+                parent_anc = jnp.take_along_axis(frontier_anc, (pick // a)[:, :, None], axis=1)  # [B, A, (Z-1)·A]
                 frontier_anc = parent_anc | jax.nn.one_hot(own, fed, dtype=bool)[None]
                 frontier_cand = n_cand + pick
             cand_slot.append(slots)
-            n_cand += a * c
-        # the k most probable candidates (C + (Z-1)·A·C of them): a child never outscores its parent
+            n_cand += a * a
+        # the k most probable candidates (A + (Z-1)·A² of them): a child never outscores its parent
         # (log-probabilities <= 0) and ties keep the lower index, which a parent has, so a parent comes first
         tokens, scores, parents, slots = (jnp.concatenate(x, axis=1) for x in (cand_token, cand_score, cand_parent,
-                                                                                   cand_slot))  # [B, C+(Z-1)·A·C]
+                                                                                   cand_slot))  # [B, A+(Z-1)·A²]
         n_kept = min(n_cand, n_nodes)
         order = jnp.argsort(-scores, axis=1, stable=True)[:, :n_kept]  # [B, k'] candidate indices, best first
         rows = jnp.arange(b)[:, None]
