@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -69,9 +70,10 @@ def main(argv=None) -> int:
     plain.warmup(progress=False)
     reference = measure_engine(plain, prompts, 0, 8, 0.0, args.max_tokens, eos).outputs
     del plain
+    command = " ".join(sys.argv[1:] if argv is None else argv)
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": loaded.config.name,
                "draft": args.draft, "prompts": len(prompts), "max_tokens": args.max_tokens, "batch": 8,
-               "command": "PYTHONPATH=. python benchmarks/tree_study.py " + " ".join(argv or []), "configs": {}}
+               "command": "PYTHONPATH=. python benchmarks/tree_study.py " + command, "configs": {}}
     runs = [("chain", menu.with_k_menu((0, *chains)), [(str(k), k) for k in chains])]
     for group in _engine_groups(trees):
         tree_menu = menu.with_k_menu((0, *(t.nodes for t in group)))
