@@ -3,9 +3,9 @@
     PYTHONPATH=. python benchmarks/tree_study.py --out docs/results/tree/draft_tree_study.json
 
 On held-out ShareGPT chat prompts (crc32(id) % 10 == 0, never trained on), with the shipped token draft
-(`--draft`), every configuration runs at a fixed k at B = 8, at temperature 0 and 1, on the same prompts:
-the chains of `--chains` and the tree envelopes of `--trees` (each at k = its node count, so a tree of N
-nodes verifies N + 1 tokens per row like the chain of N). Recorded per configuration and temperature: tokens
+(`--draft`), every configuration runs at a fixed k at B = 8, at each of `--temperatures` (default 0 and 1), on
+the same prompts: the chains of `--chains` and the tree envelopes of `--trees` (each at k = its node count, so
+a tree of N nodes verifies N + 1 tokens per row like the chain of N). Recorded per configuration and temperature: tokens
 per row-step (accepted + the bonus token), greedy outputs compared with plain decoding (must be equal), and
 the B = 1 step time at one context (median of `--repeats`). The machine load is recorded before and after.
 """
@@ -21,14 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.cli import _floats, _ints
 from benchmarks.feature_draft_study import step_seconds
 from jaxspec import distill_data as dd
 from jaxspec.build import build_proposer
 from jaxspec.distill import _load_target, measure_engine
 from jaxspec.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu, TreeEnvelope
-
-CHAINS = "1,2,3,4,6,8"
 
 
 def _engine_groups(trees: list[TreeEnvelope]) -> list[tuple[TreeEnvelope, ...]]:
@@ -40,7 +39,7 @@ def _engine_groups(trees: list[TreeEnvelope]) -> list[tuple[TreeEnvelope, ...]]:
             groups.append([t])
         else:
             group.append(t)
-    return [tuple(sorted(g, key=lambda t: t.nodes)) for g in groups]  # a menu's k increase
+    return [tuple(sorted(g, key=lambda t: t.nodes)) for g in groups]  # a menu's k must increase
 
 
 def main(argv=None) -> int:
@@ -48,8 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=16, help="held-out chat prompts")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--trees", default="4:2,6:3,8:4,6:2,8:3", help="comma-separated envelopes N:D")
-    ap.add_argument("--chains", default=CHAINS, help="comma-separated chain lengths k")
-    ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
+    ap.add_argument("--chains", type=_ints, default=(1, 2, 3, 4, 6, 8), help="comma-separated chain lengths k")
+    ap.add_argument("--temperatures", type=_floats, default=(0.0, 1.0), help="comma-separated sampling temperatures")
     ap.add_argument("--draft", default="default", help="--draft spec of the token draft")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", default="artifacts/draft_tree_study.json")
@@ -60,8 +59,7 @@ def main(argv=None) -> int:
     tok, eos = loaded.tokenizer, loaded.config.eos_token_ids
     prompts = dd.chat_prompts(tok, "heldout", args.prompts, 112)
     trees = [TreeEnvelope.parse(t) for t in args.trees.split(",")]
-    chains = tuple(int(k) for k in args.chains.split(","))
-    temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    chains, temperatures = args.chains, args.temperatures
     ks = sorted(set(chains) | {t.nodes for t in trees})
     max_len = max(256, 112 + args.max_tokens + max(ks) + 16)  # prompt + output + the widest step + slack
     menu = Menu(num_slots=8, max_len=max_len, batch_buckets=(1, 8), k_menu=(0, *ks), window_buckets=(max_len,),
