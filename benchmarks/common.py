@@ -50,3 +50,18 @@ def decode_tokens(engine: Engine, prompt: list[int], n_tokens: int, k: int, slot
     elapsed = time.perf_counter() - t
     engine.free(slot)
     return out[:n_tokens], elapsed, steps
+
+
+def heldout_chat_setup(n_prompts: int, max_prompt_tokens: int = 112):
+    """The held-out chat studies' start (feature_draft_study, feature_draft_agreement, tree_study): the compile
+    cache on, the load average before, the default target, and n held-out ShareGPT prompts (never trained on).
+    Returns (target, loaded, prompts, load_before)."""
+    from jaxspec import distill_data as dd
+    from jaxspec.distill import _load_target
+    from jaxspec.engine import enable_compilation_cache
+
+    enable_compilation_cache()
+    load_before = os.getloadavg()
+    target, loaded = _load_target(None)
+    prompts = dd.chat_prompts(loaded.tokenizer, "heldout", n_prompts, max_prompt_tokens)
+    return target, loaded, prompts, load_before

@@ -27,9 +27,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import heldout_chat_setup
 from jaxspec import distill_data as dd
-from jaxspec.distill import _load_target
-from jaxspec.engine import enable_compilation_cache
 from jaxspec.feature_distill import load_feature_draft
 
 
@@ -60,11 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=3, help="depths measured")
     ap.add_argument("--out", default="artifacts/feature_draft_agreement.json")
     args = ap.parse_args(argv)
-    enable_compilation_cache()
-    load_before = os.getloadavg()
-    target, loaded = _load_target(None)
-    tok, eos = loaded.tokenizer, loaded.config.eos_token_ids
-    prompts = dd.chat_prompts(tok, "heldout", args.prompts, 112)
+    target, loaded, prompts, load_before = heldout_chat_setup(args.prompts)
+    eos = loaded.config.eos_token_ids
     generator = dd.TargetGenerator(target, rows=len(prompts), prompt_len=112, gen_len=args.max_tokens, top_k=1,
                                    features=True)
     data = generator.generate(prompts, eos)

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec import distill_data as dd
+from benchmarks.common import heldout_chat_setup
 from jaxspec.build import build_proposer
-from jaxspec.distill import _load_target, measure_engine
-from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.distill import measure_engine
+from jaxspec.engine import Engine
 from jaxspec.menu import Menu
 from jaxspec.types import SamplingParams
 
@@ -56,11 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--proposers", default="feature,token,ngram")
     ap.add_argument("--out", default="artifacts/feature_draft_study.json")
     args = ap.parse_args(argv)
-    enable_compilation_cache()
-    load_before = os.getloadavg()
-    target, loaded = _load_target(None)
-    tok, eos = loaded.tokenizer, loaded.config.eos_token_ids
-    prompts = dd.chat_prompts(tok, "heldout", args.prompts, 112)
+    target, loaded, prompts, load_before = heldout_chat_setup(args.prompts)
+    eos = loaded.config.eos_token_ids
     menu = Menu(num_slots=8, max_len=256, batch_buckets=(1, 8), k_menu=(0, args.k), window_buckets=(256,),
                 prefill_buckets=(128,))
     plain = Engine(target, None, menu)

@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.cli import _floats, _ints
+from benchmarks.common import heldout_chat_setup
 from benchmarks.feature_draft_study import step_seconds
-from jaxspec import distill_data as dd
 from jaxspec.build import build_proposer
-from jaxspec.distill import _load_target, measure_engine
-from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.distill import measure_engine
+from jaxspec.engine import Engine
 from jaxspec.menu import Menu, TreeEnvelope
 
 
@@ -53,11 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", default="artifacts/draft_tree_study.json")
     args = ap.parse_args(argv)
-    enable_compilation_cache()
-    load_before = os.getloadavg()
-    target, loaded = _load_target(None)
-    tok, eos = loaded.tokenizer, loaded.config.eos_token_ids
-    prompts = dd.chat_prompts(tok, "heldout", args.prompts, 112)
+    target, loaded, prompts, load_before = heldout_chat_setup(args.prompts)
+    eos = loaded.config.eos_token_ids
     trees = [TreeEnvelope.parse(t) for t in args.trees.split(",")]
     chains, temperatures = args.chains, args.temperatures
     ks = sorted(set(chains) | {t.nodes for t in trees})
