@@ -55,37 +55,45 @@ def _emit(target, draft) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """N rows of one k = 3 step from the same context. -> tokens [N, K+1], counts [N], caps [N], pending."""
     engine = Engine(target, FeatureDraftProposer(draft), MENU)
     engine.warmup(progress=False)
-    temperature, top_p, top_k = CONFIG
+    return emit_rows(engine, K, CAPS, CONFIG)
+
+
+def emit_rows(engine: Engine, k: int, caps: tuple[int, ...], config: tuple[float, float, int]):
+    """N rows of one step at k, all from CONTEXT: every slot prefilled alike (one seed, so one pending token),
+    then each of N / slots rounds restores that state, gives every slot a fresh seed and steps once, slot s
+    capped at caps[s % len(caps)]. -> tokens [N, k+1], counts [N], caps [N], pending."""
+    slots = engine.menu.num_slots
+    temperature, top_p, top_k = config
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-    pending = {engine.prefill(s, CONTEXT, params, seed=0) for s in range(SLOTS)}  # one seed: one pending token
+    pending = {engine.prefill(s, CONTEXT, params, seed=0) for s in range(slots)}  # one seed: one pending token
     assert len(pending) == 1
     snapshot, lengths = jax.tree.map(jnp.copy, engine.state), engine.lengths.copy()
     proposer_lengths = engine.proposer_lengths.copy()
-    caps = np.asarray(CAPS)[np.arange(SLOTS) % len(CAPS)]
+    row_caps = np.asarray(caps)[np.arange(slots) % len(caps)]
     tokens, counts = [], []
-    for r in range(N // SLOTS):
+    for r in range(N // slots):
         state = jax.tree.map(jnp.copy, snapshot)
-        seeds = state.params.seed.at[:SLOTS].set(jnp.arange(SLOTS, dtype=jnp.int32) + (r + 1) * SLOTS)
+        seeds = state.params.seed.at[:slots].set(jnp.arange(slots, dtype=jnp.int32) + (r + 1) * slots)
         engine.state = state.__class__(**{**vars(state), "params": state.params.__class__(
             **{**vars(state.params), "seed": seeds})})
         engine.lengths[:], engine.proposer_lengths[:] = lengths, proposer_lengths
-        result = engine.step(list(range(SLOTS)), K, caps.tolist())
+        result = engine.step(list(range(slots)), k, row_caps.tolist())
         tokens.append(result.tokens)
         counts.append(result.counts)
-    return np.concatenate(tokens), np.concatenate(counts), np.tile(caps, N // SLOTS), pending.pop()
+    return np.concatenate(tokens), np.concatenate(counts), np.tile(row_caps, N // slots), pending.pop()
 
 
-def _expected(target, pending: int) -> dict[tuple[int, ...], np.ndarray]:
-    """warp(target) after context + pending + every prefix of up to K tokens: {prefix: probabilities [V]}."""
-    prefixes = [p for j in range(K + 1) for p in itertools.product(range(V), repeat=j)]
+def expected_after(target, pending: int, depth: int, config: tuple[float, float, int]):
+    """warp(target) after CONTEXT + pending + every prefix of up to `depth` tokens: {prefix: probabilities [V]}."""
+    prefixes = [p for j in range(depth + 1) for p in itertools.product(range(V), repeat=j)]
     base = CONTEXT + [pending]
-    width = len(base) + K
+    width = len(base) + depth
     tokens = np.zeros((len(prefixes), width), np.int32)
     for i, p in enumerate(prefixes):
         tokens[i, :len(base) + len(p)] = base + list(p)
     last = np.asarray([len(base) + len(p) - 1 for p in prefixes])
     logits = np.asarray(target(jnp.asarray(tokens)))[np.arange(len(prefixes)), last]  # [P, V]
-    temperature, top_p, top_k = CONFIG
+    temperature, top_p, top_k = config
     n = len(prefixes)
     rows = RowParams(temperature=jnp.full((n,), temperature), top_p=jnp.full((n,), top_p),
                      top_k=jnp.full((n,), top_k, jnp.int32), keys=sampling.row_keys(jnp.zeros((n,), jnp.int32),
@@ -94,14 +102,19 @@ def _expected(target, pending: int) -> dict[tuple[int, ...], np.ndarray]:
     return dict(zip(prefixes, probs))
 
 
-def _p_values(tokens, counts, caps, expected) -> dict[str, tuple[float, int, int]]:
+def capped_p_values(tokens, counts, caps, expected, depth: int) -> dict[str, tuple[float, int, int]]:
+    """{test: (p-value, df, rows)}: x_0 over all rows, and x_j for each cap c and position j <= min(c, depth)
+    over that cap's rows reaching j, in cells (x_0 .. x_{j-1}, x_j) against `expected` {prefix: [V]}.
+    A test no row reaches is left out (the caller checks which ran)."""
     tests = {"x0, all rows": (np.ones_like(caps, bool), 0)}
-    for c in sorted(set(CAPS), reverse=True):
-        for j in range(c + 1):
+    for c in sorted(set(caps.tolist()), reverse=True):
+        for j in range(min(c, depth) + 1):
             tests[f"cap {c}, x{j}" + (" (bonus)" if j == c else "")] = (caps == c, j)
     out = {}
     for name, (rows, j) in tests.items():
         reached = rows & (counts > j)
+        if not reached.any():
+            continue
         groups = [p for p in expected if len(p) == j]  # every prefix x_0 .. x_{j-1}
         index = {p: g for g, p in enumerate(groups)}
         prefix = np.asarray([index[tuple(row[:j])] for row in tokens[reached]])
@@ -110,6 +123,16 @@ def _p_values(tokens, counts, caps, expected) -> dict[str, tuple[float, int, int
         assert df > 0, name
         out[name] = (0.0 if impossible else float(chi2.sf(stat, df)), df, int(reached.sum()))
     return out
+
+
+def judge(results: dict[str, tuple[float, int, int]], broken: bool) -> None:
+    """Bonferroni over the tests that ran at α = ALPHA: a broken sampler must fail one, the real one none."""
+    level = ALPHA / len(results)
+    report = "\n".join(f"  {name}: p = {p:.3g} (df {df}, {n} rows)" for name, (p, df, n) in results.items())
+    if broken:
+        assert any(p < level for p, _, _ in results.values()), f"a broken verify was accepted:\n{report}"
+    else:
+        assert all(p >= level for p, _, _ in results.values()), f"rejected at p < {level:.3g}:\n{report}"
 
 
 @pytest.mark.parametrize("biased", [False, True], ids=["exact", "first-token-biased"])
@@ -123,10 +146,6 @@ def test_feature_draft_steps_preserve_the_target_at_every_position(biased, monke
         for c in set(CAPS) - {0}:
             assert 0 < np.mean(counts[caps == c] == c + 1) < 1, c
         assert np.all(tokens[:, 0][counts >= 1] < V)
-    results = _p_values(tokens, counts, caps, _expected(target, pending))
-    level = ALPHA / len(results)
-    report = "\n".join(f"  {name}: p = {p:.3g} (df {df}, {n} rows)" for name, (p, df, n) in results.items())
-    if biased:
-        assert any(p < level for p, _, _ in results.values()), f"a broken verify was accepted:\n{report}"
-    else:
-        assert all(p >= level for p, _, _ in results.values()), f"rejected at p < {level:.3g}:\n{report}"
+    results = capped_p_values(tokens, counts, caps, expected_after(target, pending, K, CONFIG), K)
+    assert len(results) == 8  # x0, then cap 3: x0..x3, cap 1: x0, x1, cap 0: x0
+    judge(results, broken=biased)
