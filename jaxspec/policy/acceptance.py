@@ -181,46 +181,56 @@ class AcceptanceTracker:
 
 
 class TreeYieldTracker:
-    """Tokens accepted per step of a token-tree envelope, per request and proposer-wide.
+    """Per-depth continuation of token-tree steps, per request and proposer-wide.
 
-    A tree step's accepted count is not a chain's truncated per-token trials (a rejected first branch
-    can be followed by an accepted second), so trees keep their own estimate: a discounted mean of the
-    accepted tokens of full-envelope steps (rows capped below the envelope are no evidence), shrunk
-    toward a prior of m pseudo-steps. The prior is the proposer-wide mean for the envelope, itself
-    shrunk toward `chain_prior`: the chain's prediction over the tree's depth, Σ_{j=1..Z} α^j, which a
-    trie that keeps the preferred continuation first can only exceed. With the request's counts
-    (s, t) and the global ones (S, T), per envelope::
+    A tree step's accepted count is not a chain's truncated per-token trials (a rejected preferred child can
+    be followed by an accepted sibling), so trees keep their own estimates, per depth. A full-envelope step of
+    a tree Z deep that accepted a nodes reached depths 1..a and, if a < Z, stopped at depth a + 1. For each
+    depth d the continuation rate c_d = P(the path reaches d | it reached d − 1) is the coverage of the tree's
+    candidates there, siblings included. It is a discounted ratio of steps that reached d to steps that reached
+    d − 1, shrunk toward a prior of m pseudo-trials: the request's own toward the proposer-wide rate, that
+    toward the chain's rate at that depth, α_d (the preferred child alone; rows capped below the envelope are
+    no evidence). With the request's counts (r_d, t_d) and the global ones (R_d, T_d), per envelope::
 
-        g = (S + m·chain_prior) / (T + m),     E_tree = 1 + (s + m·g) / (t + m)      bonus included
+        g_d = (R_d + m·α_d) / (T_d + m),   c_d = (r_d + m·g_d) / (t_d + m),   E_tree = 1 + Σ_{d=1..Z} Π_{j≤d} c_j
     """
 
     def __init__(self, config: AcceptanceConfig = AcceptanceConfig()):
         self.config = config
-        self._global: dict[int, list[float]] = {}  # k -> [S, T]
-        self._requests: dict[tuple[Hashable, int], list[float]] = {}  # (request, k) -> [s, t]
+        self._global: dict[int, np.ndarray] = {}  # k -> [2, Z]: discounted (reached d, reached d − 1)
+        self._requests: dict[tuple[Hashable, int], np.ndarray] = {}  # (request, k) -> [2, Z]
         self._steps: dict[int, int] = {}  # k -> full-envelope steps observed (undiscounted)
 
-    def observe(self, request_id: Hashable, k: int, accepted: int) -> None:
-        """One full-envelope step of the tree at k that accepted `accepted` nodes."""
-        if accepted < 0:
-            raise ValueError(f"accepted must be >= 0, got {accepted}")
-        for counts, decay in ((self._requests.setdefault((request_id, k), [0.0, 0.0]), self.config.request_decay),
-                              (self._global.setdefault(k, [0.0, 0.0]), self.config.global_decay)):
-            counts[0] = decay * counts[0] + accepted
-            counts[1] = decay * counts[1] + 1.0
+    def observe(self, request_id: Hashable, k: int, accepted: int, depth: int) -> None:
+        """One full-envelope step of the tree at k (at most `depth` deep) that accepted `accepted` nodes."""
+        if not 0 <= accepted <= depth:
+            raise ValueError(f"accepted must be in 0..{depth}, got {accepted}")
+        d = np.arange(1, depth + 1)
+        trial = np.stack([d <= accepted, d <= accepted + 1]).astype(np.float64)  # [2, Z] reached d, reached d − 1
+        for store, key, decay in ((self._requests, (request_id, k), self.config.request_decay),
+                                  (self._global, k, self.config.global_decay)):
+            counts = store.get(key)
+            if counts is None or counts.shape[1] != depth:
+                counts = np.zeros((2, depth))
+            store[key] = decay * counts + trial
         self._steps[k] = self._steps.get(k, 0) + 1
 
     def steps(self, k: int) -> int:
         """Full-envelope steps of the tree at k observed so far (the evidence behind its estimate)."""
         return self._steps.get(k, 0)
 
-    def expected(self, request_id: Hashable, k: int, chain_prior: float) -> float:
-        """E_tree for a request's next full-envelope step at k (see the class doc)."""
+    def rates(self, request_id: Hashable, k: int, chain_rates: np.ndarray) -> np.ndarray:
+        """c_d [Z] for a request's next full-envelope step at k, given the chain's α_d [Z] (see the class doc)."""
         m = self.config.prior_strength
-        big_s, big_t = self._global.get(k, (0.0, 0.0))
-        g = (big_s + m * chain_prior) / (big_t + m)
-        s, t = self._requests.get((request_id, k), (0.0, 0.0))
-        return 1.0 + (s + m * g) / (t + m)
+        z = len(chain_rates)
+        big_r, big_t = self._global.get(k, np.zeros((2, z)))
+        g = (big_r + m * chain_rates) / (big_t + m)  # [Z]
+        r, t = self._requests.get((request_id, k), np.zeros((2, z)))
+        return (r + m * g) / (t + m)
+
+    def expected(self, request_id: Hashable, k: int, chain_rates: np.ndarray) -> float:
+        """E_tree, bonus token included, for a request's next full-envelope step at k (see the class doc)."""
+        return 1.0 + float(np.sum(np.cumprod(self.rates(request_id, k, np.asarray(chain_rates, np.float64)))))
 
     def forget(self, request_id: Hashable) -> None:
         for key in [key for key in self._requests if key[0] == request_id]:

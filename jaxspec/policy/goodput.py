@@ -53,8 +53,9 @@ At most one decision in `explore_every` explores, giving up at most `explore_mar
 predicted goodput. (An explored k = 0 step leaves the draft one more token to catch up.)
 
 Token trees: a menu k that runs a tree envelope (`BatchView.trees`) is priced with the tree's own
-expected tokens, E_i = `TreeYieldTracker.expected` (measured tokens per full-envelope tree step,
-with the chain's prediction over the tree's depth, E_i(Z) − 1, as the prior), at its own profiled
+expected tokens, E_i = 1 + Σ_{d=1..Z} Π_{j≤d} c_j from `TreeYieldTracker`'s measured per-depth continuation
+rates of full-envelope tree steps (siblings' coverage included), each with the chain's α_d at that depth
+as its prior (`chain_depth_rates`), at its own profiled
 cost T(B, k, W); a row capped below the envelope is priced as the chain of its cap. Tree steps update
 the tree estimate only (their accepted counts are not per-token chain trials). Cold start, per tree:
 until the tree has `explore_trials` full-envelope steps of evidence it is evaluated at Z + 1 tokens
@@ -81,6 +82,16 @@ from jaxspec.policy.cost_model import CostModel, CostModelError
 from jaxspec.policy.decision_log import DecisionLog
 from jaxspec.types import StepResult
 
+
+def chain_depth_rates(e: np.ndarray, depth: int) -> np.ndarray:
+    """α_d [B, Z]: the chain's conditional acceptance at depths 1..Z from its expected tokens e [B, K+1]
+    (e[:, j] = 1 + Σ_{d≤j} Π α: α_d = (e_d − e_{d−1}) / (e_{d−1} − e_{d−2}), e_{−1} = 0); depths past K repeat
+    the last."""
+    reach = np.diff(e, axis=1, prepend=0.0)  # [B, K+1] P(reach depth j), j = 0..K
+    rates = reach[:, 1:] / np.maximum(reach[:, :-1], 1e-12)  # [B, K]
+    if rates.shape[1] < depth:
+        rates = np.concatenate([rates, np.repeat(rates[:, -1:], depth - rates.shape[1], axis=1)], axis=1)
+    return np.clip(rates[:, :depth], 0.0, 1.0)
 
 @dataclasses.dataclass(frozen=True)
 class GoodputConfig:
@@ -197,8 +208,8 @@ class GoodputPolicy(Policy):
             return [e[i, ki] for i, ki in enumerate(shape.caps)]
         if self.trees.steps(shape.k) < self.config.explore_trials:  # cold start: try the tree
             return [tree.depth + 1.0 if ki == shape.k else e[i, ki] for i, ki in enumerate(shape.caps)]
-        depth = min(tree.depth, e.shape[1] - 1)
-        return [self.trees.expected(rid, shape.k, chain_prior=e[i, depth] - 1.0) if ki == shape.k else e[i, ki]
+        rates = chain_depth_rates(e, tree.depth)  # [B, Z] each row's chain α_d, the prior of its tree's c_d
+        return [self.trees.expected(rid, shape.k, rates[i]) if ki == shape.k else e[i, ki]
                 for i, (rid, ki) in enumerate(zip(view.request_ids, shape.caps, strict=True))]
 
     def allocate(self, view: BatchView, e: np.ndarray, shape: StepShape) -> Option:
@@ -276,7 +287,7 @@ class GoodputPolicy(Policy):
                 raise ValueError(f"row {i} verified {proposed} proposals but was allowed {shape.caps[i]}")
             if tree is not None:  # tree evidence only, from rows at the full envelope
                 if shape.caps[i] == shape.k:
-                    self.trees.observe(rid, shape.k, accepted)
+                    self.trees.observe(rid, shape.k, accepted, tree.depth)
                 continue
             trials = shape.caps[i] if self.config.short_proposal_is_rejection else proposed
             self.acceptance.observe(rid, accepted, trials)

@@ -9,7 +9,7 @@ import pytest
 
 from jaxspec.menu import TreeEnvelope, step_shape
 from jaxspec.policy.acceptance import AcceptanceConfig, TreeYieldTracker
-from jaxspec.policy.goodput import GoodputPerRequestPolicy, GoodputPolicy
+from jaxspec.policy.goodput import GoodputPerRequestPolicy, GoodputPolicy, chain_depth_rates
 from jaxspec.types import StepResult
 from tests.policy.sim import WINDOWS, Clock, cost_model, linear_cost, view
 
@@ -20,19 +20,39 @@ def tree_view(n: int, **kwargs):
     return dataclasses.replace(view(n, **kwargs), trees=(TREE,))
 
 
-def test_the_tree_estimate_starts_at_the_chain_prior_and_moves_to_what_trees_accept():
+def test_the_tree_estimate_starts_at_the_chain_and_moves_to_what_trees_reach_per_depth():
     config = AcceptanceConfig(prior_strength=4.0, request_decay=1.0, global_decay=1.0)
     trees = TreeYieldTracker(config)
-    assert trees.expected("a", 8, chain_prior=1.5) == pytest.approx(2.5)  # no data: 1 + the chain's Σ α^j
+    chain = np.full(4, 0.5)  # the chain's α_d at depths 1..4
+    assert trees.expected("a", 8, chain) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)  # no data: the chain's
     for _ in range(4):
-        trees.observe("a", 8, 3)
-    # global g = (12 + 4·1.5) / (4 + 4) = 2.25; request: 1 + (12 + 4·2.25) / (4 + 4) = 3.625
-    assert trees.expected("a", 8, chain_prior=1.5) == pytest.approx(3.625)
-    assert trees.expected("b", 8, chain_prior=1.5) == pytest.approx(3.25)  # a new request starts at the global mean
-    trees.forget("a")
-    assert trees.expected("a", 8, chain_prior=1.5) == pytest.approx(3.25)
-    with pytest.raises(ValueError):
-        trees.observe("a", 8, -1)
+        trees.observe("a", 8, 3, depth=4)  # reached depths 1..3, stopped at 4
+    # global per depth: g = ([4, 4, 4, 0] + 4·0.5) / ([4, 4, 4, 4] + 4) = [.75, .75, .75, .25]
+    np.testing.assert_allclose(trees.rates("b", 8, chain), [0.75, 0.75, 0.75, 0.25])
+    # the request's own: c = ([4, 4, 4, 0] + 4·g) / (4 + 4) = [.875, .875, .875, .125]
+    np.testing.assert_allclose(trees.rates("a", 8, chain), [0.875, 0.875, 0.875, 0.125])
+    assert trees.expected("a", 8, chain) == pytest.approx(1 + 0.875 + 0.875**2 + 0.875**3 + 0.875**3 * 0.125)
+    assert trees.expected("b", 8, chain) == pytest.approx(1 + 0.75 + 0.75**2 + 0.75**3 + 0.75**3 * 0.25)
+    trees.forget("a")  # a forgotten request starts at the global rates
+    assert trees.expected("a", 8, chain) == pytest.approx(trees.expected("b", 8, chain))
+    for bad in (-1, 5):
+        with pytest.raises(ValueError):
+            trees.observe("a", 8, bad, depth=4)
+
+
+def test_a_sibling_that_catches_what_the_preferred_child_misses_raises_that_depth_only():
+    """Depth 1 always continues (a sibling catches the target's token), depth 2 as the chain: only c_1 moves."""
+    trees = TreeYieldTracker(AcceptanceConfig(prior_strength=1.0, request_decay=1.0, global_decay=1.0))
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        trees.observe("a", 4, 1 + int(rng.random() < 0.5), depth=2)
+    np.testing.assert_allclose(trees.rates("a", 4, np.array([0.5, 0.5])), [1.0, 0.5], atol=0.03)
+
+
+def test_chain_depth_rates_undo_the_expected_tokens():
+    e = np.array([[1.0, 1.5, 1.75, 1.875], [1.0, 1.8, 2.28, 2.28]])  # α_d = .5, .5, .5 and .8, .6, 0
+    np.testing.assert_allclose(chain_depth_rates(e, 4), [[0.5, 0.5, 0.5, 0.5], [0.8, 0.6, 0.0, 0.0]], atol=1e-12)
+    np.testing.assert_allclose(chain_depth_rates(e, 2), [[0.5, 0.5], [0.8, 0.6]])
 
 
 def _policy(tree_accepted: float, fn) -> GoodputPolicy:
@@ -41,7 +61,7 @@ def _policy(tree_accepted: float, fn) -> GoodputPolicy:
     for _ in range(200):  # enough chain evidence to leave the cold start: 1 success in 2 trials a verify
         policy.acceptance.observe(0, 1, 10)
     for _ in range(200):
-        policy.trees.observe(0, 8, tree_accepted)
+        policy.trees.observe(0, 8, tree_accepted, TREE.depth)
     return policy
 
 
@@ -58,25 +78,27 @@ def test_goodput_takes_the_tree_when_its_measured_yield_beats_every_chain_at_the
 
 
 def test_a_row_capped_below_the_envelope_is_priced_as_the_chain_of_its_cap():
-    policy = _policy(6, linear_cost())
+    policy = _policy(4, linear_cost())
     v = tree_view(2, caps=(8, 3))
     shape = policy.shape(v, 8)
     e = policy.row_expectations(v, 8)
     tokens = policy.row_tokens(v, e, shape)
-    assert tokens[0] == pytest.approx(policy.trees.expected(0, 8, chain_prior=e[0, 4] - 1.0))
+    assert tokens[0] == pytest.approx(policy.trees.expected(0, 8, chain_depth_rates(e, TREE.depth)[0]))
+    assert tokens[0] > 4.9  # the tree accepted its whole depth every step
     assert tokens[1] == pytest.approx(e[1, 3])
 
 
 def test_tree_steps_update_the_tree_estimate_not_the_chain_rate():
     policy = _policy(2, linear_cost())
-    alpha, before = policy.acceptance.alpha(0), policy.trees.expected(0, 8, 1.0)
+    prior = np.full(TREE.depth, 0.5)
+    alpha, before = policy.acceptance.alpha(0), policy.trees.expected(0, 8, prior)
     v = tree_view(2, ids=(0, 1), caps=(8, 2))
     decision = policy.decision(policy.allocate(v, policy.row_expectations(v, 8), policy.shape(v, 8)), [])
-    result = StepResult(tokens=np.zeros((2, 9), np.int32), counts=np.array([8, 1]), proposed=np.array([8, 2]))
+    result = StepResult(tokens=np.zeros((2, 9), np.int32), counts=np.array([5, 1]), proposed=np.array([8, 2]))
     policy.observe(v, decision, result, 0.01)
     assert policy.acceptance.alpha(0) == alpha and policy.acceptance.observations(1) == 0  # no chain evidence
-    assert policy.trees.expected(0, 8, 1.0) > before  # 7 accepted at the full envelope
-    assert policy.trees.expected(1, 8, 1.0) == policy.trees.expected("unseen", 8, 1.0)  # the capped row: none
+    assert policy.trees.expected(0, 8, prior) > before  # 4 accepted (the whole depth) at the full envelope
+    assert policy.trees.expected(1, 8, prior) == policy.trees.expected("unseen", 8, prior)  # the capped row: none
 
 
 def test_closed_loop_goodput_finds_a_tree_that_pays_and_drops_one_that_does_not():
