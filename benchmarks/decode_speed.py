@@ -9,7 +9,9 @@ it, in the same process, and the table reports engine / bare (with the machine l
 after each row: numbers taken above a load of about 1 on a 2-core machine are distorted).
 Both engines decode the same prompt greedily in the same process, alternating, `--repeats` times
 (medians reported, every repeat kept); prefill is excluded on both sides; the outputs are compared
-token for token (--skip-hf leaves transformers out).
+token for token (--skip-hf leaves transformers out). `--prompt-lookup K` adds the same comparison with
+prompt lookup on both sides (jaxspec at fixed k = K, transformers with `prompt_lookup_num_tokens=K`) on a
+prompt whose answer copies the input (`benchmarks.spec_speed.COPY_PROMPT`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import decode_tokens, machine
+from benchmarks.spec_speed import COPY_PROMPT
 from jaxspec.build import build_model, build_proposer
 from jaxspec.engine import Engine, enable_compilation_cache
 from jaxspec.floor import format_growth, format_rows, load, step_vs_bare, weight_mb, window_growth
@@ -46,13 +49,40 @@ class HFDecoder:
         self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                           dtype=torch.float32).eval()
 
-    def generate(self, prompt_ids: list[int], n_tokens: int) -> tuple[list[int], float]:
-        """(the n new tokens, wall seconds of the whole generate call, prefill included)."""
+    def generate(self, prompt_ids: list[int], n_tokens: int, prompt_lookup: int = 0) -> tuple[list[int], float]:
+        """(the n new tokens, wall seconds of the whole generate call, prefill included); prompt lookup of
+        `prompt_lookup` tokens when > 0."""
         ids = self.torch.tensor([prompt_ids])
+        lookup = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
         with self.torch.no_grad():
             t = time.perf_counter()
-            out = self.model.generate(ids, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False)
+            out = self.model.generate(ids, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False,
+                                      **lookup)
             return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t
+
+
+def side_by_side(engine: Engine, hf: HFDecoder | None, prompt: list[int], n_tokens: int, k: int,
+                 repeats: int) -> dict:
+    """Alternating, `repeats` times: ms per token after the first (prefill excluded) of the engine at fixed k and
+    of transformers (prompt lookup of k tokens when k > 0, its time as (generate(n+1) - generate(1)) / n), with
+    every repeat kept and the outputs compared."""
+    if hf is not None:
+        hf.generate(prompt, 4, k)  # warm-up
+    ours_times, hf_times, ours, hf_tokens = [], [], [], []
+    for _ in range(repeats):
+        ours, seconds, _steps = decode_tokens(engine, prompt, n_tokens + 1, k)
+        ours_times.append(seconds / n_tokens)
+        if hf is not None:
+            hf_tokens, whole = hf.generate(prompt, n_tokens + 1, k)
+            _, first = hf.generate(prompt, 1, k)
+            hf_times.append((whole - first) / n_tokens)
+    ours_s = float(np.median(ours_times))
+    out = {"k": k, "jaxspec_ms_per_token": ours_s * 1e3, "jaxspec_ms_per_token_all": [1e3 * t for t in ours_times]}
+    if hf is not None:
+        hf_s = float(np.median(hf_times))
+        out.update(hf_ms_per_token=hf_s * 1e3, hf_ms_per_token_all=[1e3 * t for t in hf_times],
+                   speedup_vs_hf=hf_s / ours_s, outputs_equal=ours[:n_tokens + 1] == hf_tokens)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,8 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=lambda v: tuple(int(x) for x in v.split(",")), default=(128, 512))
     parser.add_argument("--step-repeats", type=int, default=20, help="timed calls per row of the table")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers comparison")
+    parser.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
+                        help="also compare prompt lookup of K tokens on both sides on a copying prompt (K in --k-menu)")
     parser.add_argument("--out", type=Path, default=Path("docs/results/decode_speed.json"))
     args = parser.parse_args(argv)
+    if args.prompt_lookup and args.prompt_lookup not in args.k_menu:
+        parser.error(f"--prompt-lookup {args.prompt_lookup} must be in --k-menu {args.k_menu}")
     enable_compilation_cache()
 
     built = build_model(None)
@@ -83,29 +117,25 @@ def main(argv: list[str] | None = None) -> int:
     # alternate the two engines, repeated; per-token decode time excludes prefill on both sides: ours times
     # the steps after the first token, HF's is (generate(n) - generate(1)) / (n - 1)
     hf = None if args.skip_hf else HFDecoder()
-    if hf is not None:
-        hf.generate(prompt, 4)  # warm-up
-    ours_times, hf_times, ours, hf_tokens = [], [], [], []
-    for _ in range(args.repeats):
-        ours, seconds, _steps = decode_tokens(engine, prompt, args.tokens + 1, 0)
-        ours_times.append(seconds / args.tokens)
-        if hf is not None:
-            hf_tokens, whole = hf.generate(prompt, args.tokens + 1)
-            _, first = hf.generate(prompt, 1)
-            hf_times.append((whole - first) / args.tokens)
-    ours_s = float(np.median(ours_times))
+    plain = side_by_side(engine, hf, prompt, args.tokens, 0, args.repeats)
+    ours_s = plain["jaxspec_ms_per_token"] / 1e3
     result = {
         "machine": machine(), "tokens": args.tokens, "prompt_tokens": len(prompt), "repeats": args.repeats,
         "weight_mb": weight_mb(engine), "load_before": load_before,
-        "jaxspec_ms_per_token": ours_s * 1e3, "jaxspec_ms_per_token_all": [1e3 * t for t in ours_times],
+        "jaxspec_ms_per_token": ours_s * 1e3, "jaxspec_ms_per_token_all": plain["jaxspec_ms_per_token_all"],
         # k = 0 at the first window (where this decode runs): the step alone vs the bare chain at T = 1
         "floor_ms_per_token": rows[0]["bare_ms"], "ratio_to_floor": ours_s * 1e3 / rows[0]["bare_ms"],
         "step_vs_bare": rows, "window_growth": growth,
     }
     if hf is not None:
-        hf_s = float(np.median(hf_times))
-        result.update(hf_ms_per_token=hf_s * 1e3, hf_ms_per_token_all=[1e3 * t for t in hf_times],
-                      speedup_vs_hf=hf_s / ours_s, outputs_equal=ours[:args.tokens + 1] == hf_tokens)
+        result.update({key: plain[key] for key in ("hf_ms_per_token", "hf_ms_per_token_all", "speedup_vs_hf",
+                                                   "outputs_equal")})
+    if args.prompt_lookup:
+        copy = built.tokenizer.encode(built.tokenizer.apply_chat_template([{"role": "user", "content": COPY_PROMPT}]))
+        result["prompt_lookup"] = {"prompt_tokens": len(copy), "plain": side_by_side(engine, hf, copy, args.tokens, 0,
+                                                                                     args.repeats),
+                                   "lookup": side_by_side(engine, hf, copy, args.tokens, args.prompt_lookup,
+                                                          args.repeats)}
     result["load_after"] = load()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
