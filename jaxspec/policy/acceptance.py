@@ -209,10 +209,7 @@ class TreeYieldTracker:
         trial = np.stack([d <= accepted, d <= accepted + 1]).astype(np.float64)  # [2, Z] reached d, reached d − 1
         for store, key, decay in ((self._requests, (request_id, k), self.config.request_decay),
                                   (self._global, k, self.config.global_decay)):
-            counts = store.get(key)
-            if counts is None or counts.shape[1] != depth:
-                counts = np.zeros((2, depth))
-            store[key] = decay * counts + trial
+            store[key] = decay * store.get(key, np.zeros((2, depth))) + trial  # one depth per k: shapes agree
         self._steps[k] = self._steps.get(k, 0) + 1
 
     def steps(self, k: int) -> int:

@@ -55,7 +55,7 @@ predicted goodput. (An explored k = 0 step leaves the draft one more token to ca
 Token trees: a menu k that runs a tree envelope (`BatchView.trees`) is priced with the tree's own
 expected tokens, E_i = 1 + Σ_{d=1..Z} Π_{j≤d} c_j from `TreeYieldTracker`'s measured per-depth continuation
 rates of full-envelope tree steps (siblings' coverage included), each with the chain's α_d at that depth
-as its prior (`chain_depth_rates`), at its own profiled
+as its prior (`row_rates`), at its own profiled
 cost T(B, k, W); a row capped below the envelope is priced as the chain of its cap. Tree steps update
 the tree estimate only (their accepted counts are not per-token chain trials). Cold start, per tree:
 until the tree has `explore_trials` full-envelope steps of evidence it is evaluated at Z + 1 tokens
@@ -76,22 +76,12 @@ from collections.abc import Hashable
 import numpy as np
 
 from jaxspec.menu import StepShape
-from jaxspec.policy.acceptance import AcceptanceConfig, AcceptanceTracker, TreeYieldTracker, expected_tokens
+from jaxspec.policy.acceptance import AcceptanceConfig, AcceptanceTracker, TreeYieldTracker
 from jaxspec.policy.base import BatchView, Decision, Policy
 from jaxspec.policy.cost_model import CostModel, CostModelError
 from jaxspec.policy.decision_log import DecisionLog
 from jaxspec.types import StepResult
 
-
-def chain_depth_rates(e: np.ndarray, depth: int) -> np.ndarray:
-    """α_d [B, Z]: the chain's conditional acceptance at depths 1..Z from its expected tokens e [B, K+1]
-    (e[:, j] = 1 + Σ_{d≤j} Π α: α_d = (e_d − e_{d−1}) / (e_{d−1} − e_{d−2}), e_{−1} = 0); depths past K repeat
-    the last."""
-    reach = np.diff(e, axis=1, prepend=0.0)  # [B, K+1] P(reach depth j), j = 0..K
-    rates = reach[:, 1:] / np.maximum(reach[:, :-1], 1e-12)  # [B, K]
-    if rates.shape[1] < depth:
-        rates = np.concatenate([rates, np.repeat(rates[:, -1:], depth - rates.shape[1], axis=1)], axis=1)
-    return np.clip(rates[:, :depth], 0.0, 1.0)
 
 @dataclasses.dataclass(frozen=True)
 class GoodputConfig:
@@ -161,22 +151,26 @@ class GoodputPolicy(Policy):
 
     # --- prediction ------------------------------------------------------------------
 
-    def row_expectations(self, view: BatchView, k_max: int) -> np.ndarray:
-        """[n, k_max+1] E_i(j) for j = 0..k_max."""
+    def row_rates(self, view: BatchView, k_max: int) -> np.ndarray:
+        """[n, k_max] α_i(d) for d = 1..k_max: the chance that row i's d-th proposal is accepted once the ones
+        before it were (1 in the cold start, so speculation is tried; one α_i per request unless positional)."""
         ids = view.request_ids
-        j = np.arange(k_max + 1)
         if self.acceptance.global_trials < self.config.explore_trials:  # cold start: try speculating
-            return np.broadcast_to(j + 1.0, (len(ids), k_max + 1)).copy()
+            return np.ones((len(ids), k_max))
         if not self.config.positional:
-            alphas = np.array([self.acceptance.alpha(r) for r in ids])
-            return expected_tokens(alphas[:, None], j[None, :])
+            return np.repeat(np.array([self.acceptance.alpha(r) for r in ids])[:, None], k_max, axis=1)
         rows = []
         for r in ids:
             a = self.acceptance.position_alphas(r)
             if k_max > len(a):
                 a = np.concatenate([a, np.full(k_max - len(a), a[-1])])
-            rows.append(np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(np.clip(a[:k_max], 0.0, 1.0)))]))
-        return np.stack(rows)
+            rows.append(np.clip(a[:k_max], 0.0, 1.0))
+        return np.stack(rows).reshape(len(ids), k_max)
+
+    def row_expectations(self, view: BatchView, k_max: int) -> np.ndarray:
+        """[n, k_max+1] E_i(j) = 1 + Σ_{d≤j} Π_{d'≤d} α_i(d') for j = 0..k_max."""
+        reach = np.cumprod(self.row_rates(view, k_max), axis=1)  # [n, k_max] P(proposals 1..d all accepted)
+        return np.concatenate([np.ones((len(view.request_ids), 1)), 1.0 + np.cumsum(reach, axis=1)], axis=1)
 
     def shape(self, view: BatchView, k: int, row_caps=None) -> StepShape:
         """The shape a step at padded k runs at, rows capped at `row_caps` (default: their room)."""
@@ -208,7 +202,7 @@ class GoodputPolicy(Policy):
             return [e[i, ki] for i, ki in enumerate(shape.caps)]
         if self.trees.steps(shape.k) < self.config.explore_trials:  # cold start: try the tree
             return [tree.depth + 1.0 if ki == shape.k else e[i, ki] for i, ki in enumerate(shape.caps)]
-        rates = chain_depth_rates(e, tree.depth)  # [B, Z] each row's chain α_d, the prior of its tree's c_d
+        rates = self.row_rates(view, tree.depth)  # [B, Z] each row's chain α_d, the prior of its tree's c_d
         return [self.trees.expected(rid, shape.k, rates[i]) if ki == shape.k else e[i, ki]
                 for i, (rid, ki) in enumerate(zip(view.request_ids, shape.caps, strict=True))]
 

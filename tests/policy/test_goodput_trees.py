@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxspec.menu import TreeEnvelope, step_shape
-from jaxspec.policy.acceptance import AcceptanceConfig, TreeYieldTracker
-from jaxspec.policy.goodput import GoodputPerRequestPolicy, GoodputPolicy, chain_depth_rates
+from jaxspec.policy.acceptance import AcceptanceConfig, TreeYieldTracker, expected_tokens
+from jaxspec.policy.goodput import GoodputPerRequestPolicy, GoodputPolicy
 from jaxspec.types import StepResult
 from tests.policy.sim import WINDOWS, Clock, cost_model, linear_cost, view
 
@@ -49,10 +49,14 @@ def test_a_sibling_that_catches_what_the_preferred_child_misses_raises_that_dept
     np.testing.assert_allclose(trees.rates("a", 4, np.array([0.5, 0.5])), [1.0, 0.5], atol=0.03)
 
 
-def test_chain_depth_rates_undo_the_expected_tokens():
-    e = np.array([[1.0, 1.5, 1.75, 1.875], [1.0, 1.8, 2.28, 2.28]])  # α_d = .5, .5, .5 and .8, .6, 0
-    np.testing.assert_allclose(chain_depth_rates(e, 4), [[0.5, 0.5, 0.5, 0.5], [0.8, 0.6, 0.0, 0.0]], atol=1e-12)
-    np.testing.assert_allclose(chain_depth_rates(e, 2), [[0.5, 0.5], [0.8, 0.6]])
+def test_row_expectations_are_built_from_the_row_rates_the_tree_prior_uses():
+    policy = _policy(2, linear_cost())
+    policy.acceptance.observe(1, 3, 4)
+    v = tree_view(2, ids=(0, 1))
+    rates = policy.row_rates(v, 8)
+    np.testing.assert_allclose(rates, [[policy.acceptance.alpha(0)] * 8, [policy.acceptance.alpha(1)] * 8])
+    np.testing.assert_allclose(policy.row_expectations(v, 8),
+                               expected_tokens(rates[:, :1], np.arange(9)[None, :]), rtol=1e-12)
 
 
 def _policy(tree_accepted: float, fn) -> GoodputPolicy:
@@ -83,7 +87,7 @@ def test_a_row_capped_below_the_envelope_is_priced_as_the_chain_of_its_cap():
     shape = policy.shape(v, 8)
     e = policy.row_expectations(v, 8)
     tokens = policy.row_tokens(v, e, shape)
-    assert tokens[0] == pytest.approx(policy.trees.expected(0, 8, chain_depth_rates(e, TREE.depth)[0]))
+    assert tokens[0] == pytest.approx(policy.trees.expected(0, 8, policy.row_rates(v, TREE.depth)[0]))
     assert tokens[0] > 4.9  # the tree accepted its whole depth every step
     assert tokens[1] == pytest.approx(e[1, 3])
 
