@@ -276,9 +276,10 @@ class Engine:
             logits = target.unembed(jnp.take_along_axis(hidden, (n_valid - 1)[:, None, None], axis=1))
             cache = cache.with_lengths(slot, start + n_valid)
             pstate = state.proposer
-            if proposer.reads_target_features:  # before the proposer sees the chunk (it reads them)
+            if proposer.reads_target_features:  # stored for the draft's catch-up (it reads them)
                 pstate = proposer.record_features(pstate, slot, start, hidden)
-            pstate = proposer.prefill(proposer_params, pstate, inputs, n_valid, window)
+            if not proposer.tracks_context:  # a context-tracking draft sees the prompt lazily (catch-up)
+                pstate = proposer.prefill(proposer_params, pstate, inputs, n_valid, window)
             positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
             history = state.history.at[slot[:, None], positions].set(tokens, mode="drop")
             # first generated token (used only when this is the prompt's last chunk)
@@ -375,7 +376,7 @@ class Engine:
     def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, is_last: bool,
                       params: SamplingParams, seed: int) -> int | None:
         """Prefill `tokens` of a prompt into `slot` at positions start..; on the last chunk
-        returns the first generated token (else None)."""
+        returns the first generated token (else None). Returns once the chunk has run."""
         n = len(tokens)
         if start + n > self.menu.max_len:
             raise CapacityError(f"prompt of {start + n} tokens exceeds max_len {self.menu.max_len}")
@@ -389,8 +390,15 @@ class Engine:
             top_k=np.array([params.top_k], np.int32), seed=np.array([seed], np.int32))
         self.state, first = self._executable(key)(self._params, self._proposer_params, self.state, chunk_in)
         self.lengths[slot] = start + n
-        self.proposer_lengths[slot] = start + n
-        return int(np.asarray(first)[0]) if is_last else None
+        if start == 0:  # a new prompt: the draft has seen none of it (it catches up before speculating)
+            self.proposer_lengths[slot] = 0
+        if not is_last:
+            # a chunk is done when this returns, like the last one (whose token is read back): left in
+            # flight, its compute would land in the next step's timing and the cost model would charge
+            # a 64-token prefill to a decode shape (docs/design.md, "The goodput policy").
+            jax.block_until_ready(self.state)
+            return None
+        return int(np.asarray(first)[0])
 
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams, seed: int | None = None) -> int:
         """Whole-prompt prefill (`engine_api.prefill_prompt`). Returns the first token.

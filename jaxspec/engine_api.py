@@ -57,7 +57,8 @@ class EngineAPI(Protocol):
     def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, is_last: bool,
                       params: SamplingParams, seed: int) -> int | None:
         """Write prompt tokens at positions start.. of `slot`; on the last chunk return the first
-        generated token (else None). Raises CapacityError past max_len."""
+        generated token (else None). Returns once the chunk has run. A context-tracking draft does
+        not see the prompt here: it is in the slot's `catch_up_plan`. Raises CapacityError past max_len."""
 
     def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> StepResult:
         """One step at padded k (a menu value) with optional per-row caps ≤ k. Raises MenuMissError

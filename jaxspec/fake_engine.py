@@ -80,7 +80,9 @@ class FakeEngine:
         key = self._ready(self.menu.prefill_key(start, n))
         self.calls.append(FakeCall("prefill", key, (slot,)))
         self._history[slot][start:] = [int(t) for t in tokens]
-        self._lengths[slot] = self._seen[slot] = start + n
+        self._lengths[slot] = start + n
+        if start == 0:  # the draft sees the prompt lazily, in the first speculating step's catch-up
+            self._seen[slot] = 0
         if not is_last:
             return None
         self._pending[slot] = self._next(self._history[slot][-1])

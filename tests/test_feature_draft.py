@@ -153,6 +153,7 @@ def test_lazy_catch_up_builds_the_draft_cache_bitwise(engine, references):
         engine.reset()
         for s in (0, 1):
             engine.prefill(s, prompts[s], SamplingParams())
+        assert engine._catch_up([0, 1]) >= 2  # the draft reads the prompts (prefill leaves it alone)
         for _ in range(9):
             engine.step([0, 1], 0)
             if eager:

@@ -39,8 +39,9 @@ class Proposer:
 
     name: str = "none"
     #: Per-slot state that must see every committed token (a draft KV cache). Such state is
-    #: not touched in k = 0 steps (they cost exactly plain decoding); the engine tracks how far
-    #: each slot lags and calls `prefill` on the missing history before the next k > 0 step.
+    #: not touched in prompt prefill nor in k = 0 steps (they cost exactly plain decoding); the engine
+    #: tracks how far each slot lags and calls `prefill` on the missing history, prompt included,
+    #: before the next k > 0 step.
     tracks_context: bool = False
     #: How many trailing tokens (pending included) `propose` itself feeds before drafting.
     in_step_catch_up: int = 1
