@@ -149,3 +149,26 @@ def test_engine_and_goodput_agree_on_the_shape_of_every_step(engine, monkeypatch
     ran = [key for key in spy.take() if isinstance(key, StepKey)]
     assert ran == filed
     assert ran[0] == StepKey(4, 3, 64)  # 61 + 3 + 1 > 64, but the long row verifies nothing
+
+
+def test_warming_up_more_shapes_leaves_live_requests_alone(tiny_model):
+    """Warm-up runs each new executable once on the scratch slot: a request decoding around a later
+    warm-up (here of every shape, on a fresh engine) gives the same tokens as one that never saw it."""
+    prompts = random_prompts((9, 14), TINY.vocab_size, seed=21)
+    params = [SamplingParams(temperature=1.0, seed=3), SamplingParams()]
+    reference = _sample_fresh(tiny_model, prompts, params, warm_in_between=False)
+    assert _sample_fresh(tiny_model, prompts, params, warm_in_between=True) == reference
+
+
+def _sample_fresh(tiny_model, prompts, params, warm_in_between: bool):
+    e = Engine(tiny_model, DraftModelProposer(tiny_model), CONFIG)
+    keys = [k for k in e.shape_keys() if not (isinstance(k, StepKey) and k.batch == 8)]
+    e.warmup(keys, progress=False)
+    outputs = [[e.prefill(s, p, q)] for s, p, q in zip((0, 1), prompts, params)]
+    for i in range(8):
+        if warm_in_between and i == 3:
+            assert e.warmup(progress=False) > 0  # the B = 8 steps: compiled and run now
+        result = e.step([0, 1], 2)
+        for row in range(2):
+            outputs[row] += result.row_tokens(row)
+    return outputs

@@ -216,8 +216,9 @@ def test_catch_up_calls_are_shown_to_the_policy():
     policy = RecordingPolicy(lambda view: Decision(k=next(k_after, 0)))
     engine = fake(accept=1, tracks_context=True, in_step_catch_up=2)
     Scheduler(engine, policy).generate_all([Request("x", [5, 6], SamplingParams(max_tokens=8, ignore_eos=True))])
-    # two k = 0 steps leave the draft behind: the first k = 3 step would catch up first
-    assert [v.catch_up_calls for v in policy.views[:4]] == [(0,), (0,), (1,), (0,)]
+    # the draft has not seen the prompt (prefill leaves it alone), and two k = 0 steps leave it further
+    # behind: the first k = 3 step catches up first, in one call; after it nothing is pending
+    assert [v.catch_up_calls for v in policy.views[:4]] == [(1,), (1,), (1,), (0,)]
     assert [c.kind for c in engine.calls].count("catch_up") == 1
 
 
