@@ -252,8 +252,9 @@ class Engine:
                 params=state.params,
                 proposer=pstate,
             )
-            # packed: [B, k+3] = tokens | count | proposed  (one host copy per step)
-            packed = jnp.concatenate([out, counts[:, None], proposed[:, None]], axis=1)
+            # packed: [B, k+4] = tokens | count | proposed | proposer's context length  (one host copy per step)
+            packed = jnp.concatenate([out, counts[:, None], proposed[:, None],
+                                      proposer.context_lengths(pstate, slot_ids)[:, None]], axis=1)
             return new_state, packed
 
         return body
@@ -278,7 +279,9 @@ class Engine:
             pstate = state.proposer
             if proposer.reads_target_features:  # stored for the draft's catch-up (it reads them)
                 pstate = proposer.record_features(pstate, slot, start, hidden)
-            if not proposer.tracks_context:  # a context-tracking draft sees the prompt lazily (catch-up)
+            if proposer.tracks_context:  # a draft sees the prompt lazily (catch-up): it holds nothing yet
+                pstate = proposer.forget(pstate, slot)
+            else:
                 pstate = proposer.prefill(proposer_params, pstate, inputs, n_valid, window)
             positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
             history = state.history.at[slot[:, None], positions].set(tokens, mode="drop")
@@ -456,9 +459,8 @@ class Engine:
         packed = np.asarray(packed)[:n]  # the one host copy of this step
         result = StepResult(tokens=packed[:, : k_run + 1], counts=packed[:, k_run + 1], proposed=packed[:, k_run + 2],
                             catch_up_calls=catch_up_calls, catch_up_s=catch_up_s)
-        if k_run > 0 and self.proposer.tracks_context:  # mirrors the proposer's commit
-            self.proposer_lengths[list(slot_ids)] = (self.lengths[list(slot_ids)] + 1
-                                                     + np.minimum(result.accepted, k_run - 1))
+        if self.proposer.tracks_context:  # what the draft holds now, as its commit left it
+            self.proposer_lengths[list(slot_ids)] = packed[:, k_run + 3]
         self.lengths[list(slot_ids)] += result.counts
         return result
 

@@ -125,3 +125,20 @@ def test_draft_cache_stays_in_sync_across_k0_steps(tiny_model, references):
     np.testing.assert_array_equal(draft_lengths + 1, engine.lengths[slots])
     for out, ref in zip(outputs, expected):
         assert out[:N_NEW] == ref
+
+
+def test_a_one_token_prompt_in_a_reused_slot_starts_the_draft_afresh(tiny_model):
+    """Prefill leaves the draft alone but empties its context: a 1-token prompt needs no catch-up call (the
+    step's own catch-up feeds it), and must not inherit the draft length of the slot's previous request."""
+    engine = Engine(tiny_model, DraftModelProposer(tiny_model), MENU.replace(batch_buckets=(1,), k_menu=(0, 3)))
+    engine.warmup(progress=False)
+    long_prompt = random_prompts((30,), TINY.vocab_size, seed=12)[0]
+    decode(engine, [long_prompt], 3, 12)
+    token = [int(long_prompt[4])]
+    output = [engine.prefill(0, token, SamplingParams())]
+    assert engine.catch_up_plan(0) == []
+    while len(output) < 12:
+        result = engine.step([0], 3)
+        assert (result.accepted == 3).all()  # the target as its own draft: a draft in sync accepts everything
+        output += result.row_tokens(0)
+    assert output[:12] == reference_greedy(tiny_model, token, 12)

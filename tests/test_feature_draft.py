@@ -234,3 +234,26 @@ def test_shipped_feature_draft_greedy_equals_plain_decoding_and_is_accepted():
             outs[k] = out[:40]
         assert outs[3] == outs[0]
     assert accepted >= 12, (accepted, proposed)
+
+
+def test_fixed_k_decoding_catches_up_only_the_prompt(engine, references):
+    """The host's view of the draft cache is read back from the device each step: after the prompt's catch-up a
+    fixed-k run needs none, also after steps that accepted every proposal (the host once miscounted those)."""
+    engine.reset()
+    prompts, expected = references
+    slots = [0, 1, 2, 3]
+    outputs = [[engine.prefill(s, p, SamplingParams())] for s, p in zip(slots, prompts)]
+    planned = sum(len(engine.catch_up_plan(s)) for s in slots)
+    assert planned >= len(slots)  # prefill left the draft alone
+    all_accepted = 0
+    for i in range(5):
+        result = engine.step(slots, 3)
+        assert result.catch_up_calls == (planned if i == 0 else 0)
+        all_accepted += int((result.accepted == 3).sum())
+        np.testing.assert_array_equal(engine.proposer_lengths[slots],
+                                      np.asarray(engine.state.proposer.cache.lengths)[slots])
+        for row, out in enumerate(outputs):
+            out += result.row_tokens(row)
+    assert all_accepted > 0  # the case that used to leave a phantom lag
+    for out, ref in zip(outputs, expected):
+        assert out[:16] == ref[:len(out[:16])]

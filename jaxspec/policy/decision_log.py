@@ -115,3 +115,14 @@ class DecisionLog:
             out["prediction_ratio"] = sum(r.tokens for r in pred) / sum(r.predicted_tokens for r in pred)
             out["time_ratio"] = sum(r.seconds for r in pred) / sum(r.predicted_seconds for r in pred)
         return out
+
+    def step_times(self) -> list[dict]:
+        """The cost model's calibration per step shape run: for each (bucket B, padded k), the steps, and the
+        median predicted and observed seconds (predicted: what the policy priced the chosen option at)."""
+        by_shape = collections.defaultdict(list)
+        for r in self._records:
+            if r.predicted_seconds is not None:
+                by_shape[(r.bucket, r.k)].append((r.predicted_seconds, r.seconds))
+        return [{"bucket": b, "k": k, "steps": len(v), "predicted_s": float(np.median([p for p, _ in v])),
+                 "observed_s": float(np.median([o for _, o in v]))}
+                for (b, k), v in sorted(by_shape.items())]

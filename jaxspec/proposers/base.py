@@ -88,6 +88,15 @@ class Proposer:
         depth, as `tree.root_path` gives them) of depth `n_accepted` [B]; `ctx.history` as in `commit`."""
         return state
 
+    def context_lengths(self, state, slot_ids: jax.Array) -> jax.Array:
+        """[B] how many leading positions of each slot the state holds (what the engine's catch-up plan starts
+        from; read back with every step, so the host never guesses a commit rule). Default: 0."""
+        return jnp.zeros(slot_ids.shape, jnp.int32)
+
+    def forget(self, state, slot_ids: jax.Array):
+        """The slots' context is empty (a new prompt, which a context-tracking state sees in catch-up)."""
+        return state
+
 
 class NoProposer(Proposer):
     """Plain decoding: proposes nothing (only k = 0 is valid)."""

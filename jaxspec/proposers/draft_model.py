@@ -118,6 +118,12 @@ class DraftModelProposer(Proposer):
         lens = jnp.full(ctx.slot_ids.shape, k, jnp.int32)
         return Proposals(token_ids=tokens, lens=lens, draft_probs=probs), state
 
+    def context_lengths(self, state: KVCache, slot_ids: jax.Array) -> jax.Array:
+        return state.lengths[slot_ids]  # [B]
+
+    def forget(self, state: KVCache, slot_ids: jax.Array) -> KVCache:
+        return state.with_lengths(slot_ids, jnp.zeros(slot_ids.shape, jnp.int32))
+
     def commit(self, params, state: KVCache, ctx: StepContext, k: int, n_accepted: jax.Array, window: int) -> KVCache:
         # The draft holds pending + d_1..d_{k-1}; keep what the target accepted (k > 0 only).
         valid = ctx.start + 1 + jnp.minimum(n_accepted, k - 1)  # [B]

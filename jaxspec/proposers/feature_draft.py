@@ -82,6 +82,12 @@ class FeatureDraftProposer(Proposer):
                                                                       mode="drop")
         return dataclasses.replace(state, features=buffer)
 
+    def context_lengths(self, state: FeatureDraftState, slot_ids: jax.Array) -> jax.Array:
+        return state.cache.lengths[slot_ids]  # [B]
+
+    def forget(self, state: FeatureDraftState, slot_ids: jax.Array) -> FeatureDraftState:
+        return dataclasses.replace(state, cache=state.cache.with_lengths(slot_ids, jnp.zeros(slot_ids.shape, jnp.int32)))
+
     def prefill(self, params, state: FeatureDraftState, inputs: StepInputs, n_valid, window):
         """Entries start..start+T-1 from committed tokens and the stored features (no target pass)."""
         draft, layers = self._model(params)

@@ -53,6 +53,12 @@ class NoisyProposer(Proposer):
     def record_features(self, state, slot_ids, start, features):
         return self.inner.record_features(state, slot_ids, start, features)
 
+    def context_lengths(self, state, slot_ids):
+        return self.inner.context_lengths(state, slot_ids)
+
+    def forget(self, state, slot_ids):
+        return self.inner.forget(state, slot_ids)
+
     def commit(self, params, state, ctx, k, n_accepted, window):
         return self.inner.commit(params, state, ctx, k, n_accepted, window)
 

@@ -365,6 +365,11 @@ def test_decision_log_is_bounded_and_summarised():
     assert s["time_ratio"] == pytest.approx(1.0, rel=0.05)  # the synthetic device is the profile
     assert 0.7 < s["prediction_ratio"] < 1.3
     assert p.log.to_dicts()[0]["step"] == 70
+    shapes = p.log.step_times()
+    assert sum(row["steps"] for row in shapes) == 50
+    for row in shapes:  # the synthetic device runs each shape at exactly its profiled cost
+        assert row["observed_s"] == pytest.approx(row["predicted_s"], rel=0.05)
+        assert row["observed_s"] == pytest.approx(fn(row["bucket"], row["k"], 0), rel=0.05)
 
 
 def test_empty_view_is_an_error():
