@@ -86,7 +86,8 @@ class FeatureDraftProposer(Proposer):
         return state.cache.lengths[slot_ids]  # [B]
 
     def forget(self, state: FeatureDraftState, slot_ids: jax.Array) -> FeatureDraftState:
-        return dataclasses.replace(state, cache=state.cache.with_lengths(slot_ids, jnp.zeros(slot_ids.shape, jnp.int32)))
+        empty = jnp.zeros(slot_ids.shape, jnp.int32)  # [B]
+        return dataclasses.replace(state, cache=state.cache.with_lengths(slot_ids, empty))
 
     def prefill(self, params, state: FeatureDraftState, inputs: StepInputs, n_valid, window):
         """Entries start..start+T-1 from committed tokens and the stored features (no target pass)."""
