@@ -88,3 +88,13 @@ def test_closed_loop_keeps_concurrency():
     samples = run_closed_loop(sched, reqs, concurrency=2, clock=clock)
     assert sorted(s.request_id for s in samples) == ["r0", "r1", "r2", "r3"]
     assert max(s.finish_s for s in samples) == pytest.approx(1.2)  # 12 single-token steps
+
+
+def test_k0_pricing_counts_decisions_that_overpriced_plain_decoding():
+    from benchmarks.goodput_pricing import k0_pricing
+
+    steps = [{"bucket": 1, "batch": 1, "k": 0, "seconds": 0.03, "predicted_goodput": {"0": 1 / 0.03}}] * 3
+    steps += [{"bucket": 4, "batch": 2, "k": 0, "seconds": 0.05, "predicted_goodput": {"0": 2 / 0.05}}]
+    steps += [{"bucket": 1, "batch": 1, "k": 4, "seconds": 0.06, "predicted_goodput": {"0": 1 / 0.09, "4": 30.0}}]
+    got = k0_pricing(steps, over=1.5)
+    assert got == {"decisions": 5, "mispriced": 1, "worst": 3.0}  # 0.09 s priced against 0.03 s observed
