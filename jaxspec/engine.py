@@ -361,7 +361,7 @@ class Engine:
                 self._executables[key] = self._compile(key)
                 self._run_once(key)
             except Exception as exc:  # re-raised with the shape that failed
-                raise RuntimeError(f"compiling {key} failed: {exc}") from exc
+                raise RuntimeError(f"warming up {key} (compile, first run) failed: {exc}") from exc
         return len(keys)
 
     def _run_once(self, key: ShapeKey) -> None:
