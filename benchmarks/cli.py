@@ -288,9 +288,9 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                 if kind == "rate" and mu is not None:
                     rec["load_fraction"] = value / mu
                     rec["service_rate"] = mu
-                log_ = getattr(policy, "log", None)  # goodput: its decisions, predicted against realised
-                if log_ is not None and len(log_):
-                    rec["decisions"] = {**log_.summary(), "step_times": log_.step_times()}
+                decision_log = getattr(policy, "log", None)  # goodput: its decisions, predicted against realised
+                if decision_log is not None and len(decision_log):
+                    rec["decisions"] = {**decision_log.summary(), "step_times": decision_log.step_times()}
                 outputs[(proposer_name, spec)] = {x.request_id: x.tokens for x in samples}
                 bar.update(1)
                 return rec
