@@ -135,7 +135,9 @@ def test_fake_engine_output_is_hand_checkable():
 
 
 def test_a_prefill_chunk_has_run_when_it_returns(fresh):
-    """The step timings the cost model learns from must not include a prompt chunk left in flight."""
+    """The step timings the cost model learns from must not include a prompt chunk left in flight: every output
+    is ready when the call returns. (On the tiny model an unwaited chunk can finish before the check, so this
+    catches the defect only when the chunk outlasts the call; the contract it states is exact.)"""
     assert fresh.prefill_chunk(0, np.arange(5, 5 + MENU.largest_chunk, dtype=np.int32), 0, False, GREEDY, 0) is None
     if isinstance(fresh, Engine):
         import jax
