@@ -32,10 +32,20 @@ from jaxspec import distill_data as dd
 from jaxspec.feature_distill import load_feature_draft
 
 
-def agreement(draft, data: dict[str, np.ndarray], prompt_lens: np.ndarray, passes: int) -> dict[str, list[float]]:
-    """Per-depth top-1 agreement on continuation and prompt positions (see the module doc)."""
+def draft_features(features: np.ndarray, layers: tuple[int, ...], draft_layers: tuple[int, ...]) -> np.ndarray:
+    """The columns of `draft_layers` out of features [B, T, n·D] stored at `layers` -> [B, T, n'·D]."""
+    per_layer = features.reshape(*features.shape[:-1], len(layers), -1)  # [B, T, n, D]
+    picked = per_layer[..., [layers.index(i) for i in draft_layers], :]  # [B, T, n', D]
+    return picked.reshape(*features.shape[:-1], -1)
+
+
+def agreement(draft, data: dict[str, np.ndarray], prompt_lens: np.ndarray, passes: int,
+              layers: tuple[int, ...]) -> dict[str, list[float]]:
+    """Per-depth top-1 agreement on continuation and prompt positions (see the module doc); data["features"] holds
+    the target's hidden states after `layers`."""
     tokens = jnp.asarray(data["tokens"])  # [B, T]
-    predicted = draft.ttt_features(tokens, jnp.asarray(data["features"]).astype(jnp.float32), passes)  # [U, B, T, D]
+    features = draft_features(data["features"], layers, draft.feature_layers)  # [B, T, n'·D]
+    predicted = draft.ttt_features(tokens, jnp.asarray(features).astype(jnp.float32), passes)  # [U, B, T, D]
     target_top1 = data["top_ids"][..., 0]  # [B, T]
     b, t = target_top1.shape
     position = np.arange(t)[None, :]  # [1, T]
@@ -61,16 +71,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     target, loaded, prompts, load_before = heldout_chat_setup(args.prompts)
     eos = loaded.config.eos_token_ids
+    drafts = {path: load_feature_draft(path, target) for path in args.drafts}
+    layers = tuple(sorted({i for d in drafts.values() for i in d.feature_layers}))  # every layer any draft reads
     generator = dd.TargetGenerator(target, rows=len(prompts), prompt_len=112, gen_len=args.max_tokens, top_k=1,
-                                   features=True)
+                                   feature_layers=layers)
     data = generator.generate(prompts, eos)
     prompt_lens = np.array([len(p) for p in prompts])
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": loaded.config.name,
                "prompts": len(prompts), "max_tokens": args.max_tokens,
                "command": "PYTHONPATH=. python benchmarks/feature_draft_agreement.py " + " ".join(argv or []),
                "drafts": {}}
-    for path in args.drafts:
-        r = agreement(load_feature_draft(path, target), data, prompt_lens, args.passes)
+    for path, draft in drafts.items():
+        r = agreement(draft, data, prompt_lens, args.passes, layers)
         results["drafts"][path] = r
         print(path, json.dumps(r), flush=True)
     results["load_before_after"] = [round(x, 2) for x in load_before + os.getloadavg()]

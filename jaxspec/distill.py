@@ -506,6 +506,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt-every", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--feature-layers", type=int, default=1, help="--kind feature: decoder layers of the draft")
+    parser.add_argument("--feature-fuse", default=None, metavar="L1,L2,..",
+                        help="--kind feature: fuse the target's hidden states after these layers (EAGLE-3, e.g. "
+                             "2,15,30; the last must be the target's last layer; default: its last layer only)")
     parser.add_argument("--ttt-passes", type=int, default=3,
                         help="--kind feature: training-time-test passes (the proposal depths trained)")
     parser.add_argument("--reg-weight", type=float, default=1.0,

@@ -10,8 +10,9 @@ continuation (N tokens) padded to S = P + N:
     mask   [B, T]  bool      position t carries a target distribution for token t+1
     top_ids [B, T, K] int32  the target's top-K next-token ids after token t
     top_lp  [B, T, K] f16    their log-probabilities (normalised over the full vocabulary)
-    features [B, T, D] f16   (feature shards only) the target's last hidden state after token t,
-                             before the final norm: what a feature draft reads (models/feature_draft.py)
+    features [B, T, n·D] f16 (feature shards only) the target's hidden states after token t at the feature
+                             draft's n layers (by default n = 1: its last, before the final norm): what a
+                             feature draft reads (models/feature_draft.py)
 
 Held-out split: a conversation is held out iff crc32(id) % 10 == 0 (training never sees those).
 """
@@ -119,8 +120,10 @@ class TargetGenerator:
     (argmax only), then one cache-free forward over prompt + continuation for the top-K labels."""
 
     def __init__(self, target: Llama, rows: int, prompt_len: int, gen_len: int, top_k: int = 32,
-                 features: bool = False):
-        self.rows, self.p, self.n, self.k, self.features = rows, prompt_len, gen_len, top_k, features
+                 feature_layers: tuple[int, ...] = ()):
+        self.rows, self.p, self.n, self.k = rows, prompt_len, gen_len, top_k
+        self.features = bool(feature_layers)
+        read_layers = _read_layers(target, feature_layers)
         self.max_len = prompt_len + gen_len
         graphdef, params = nnx.split(target)
         self.params = params
@@ -154,9 +157,9 @@ class TargetGenerator:
             seq = jnp.zeros((r, max_len), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
             pos = lens[:, None] + jnp.arange(gen_len, dtype=jnp.int32)[None, :]  # [B, T]
             seq = seq.at[slots[:, None], pos].set(gen)  # [B, M] prompt, then the continuation
-            hidden = model.hidden_states(seq)  # [B, M, D]
-            ids, lp = topk(model.unembed(hidden))  # [B, M, K] the target's next-token top-K after every token
-            return seq, gen, ids, lp, hidden.astype(jnp.float16)
+            feats = model.layer_features(seq, read_layers)  # [B, M, n·D], the last D the last hidden state
+            ids, lp = topk(model.unembed(feats[..., -config.hidden_size:]))  # [B, M, K] next-token top-K
+            return seq, gen, ids, lp, feats.astype(jnp.float16)
 
         self._run = jax.jit(run)
 
@@ -192,6 +195,14 @@ class TargetGenerator:
         return out
 
 
+def _read_layers(target: Llama, feature_layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers a labelling forward reads: `feature_layers` (ending with the last layer), else the last."""
+    last = target.config.num_layers
+    if feature_layers and feature_layers[-1] != last:
+        raise ValueError(f"feature layers {feature_layers} must end with the target's last layer {last}")
+    return tuple(feature_layers) or (last,)
+
+
 def write_shards(batches: list, out: Path, prefix: str, make, desc: str,
                  time_budget_s: float | None = None, progress: bool = True) -> list[Path]:
     """Resumable shards: `make(batch) -> dict of arrays` (with a "mask") is saved atomically as
@@ -219,16 +230,17 @@ def write_shards(batches: list, out: Path, prefix: str, make, desc: str,
 
 def build_shards(target: Llama, prompts: list[list[int]], out_dir: str | Path, eos_ids: tuple[int, ...],
                  rows: int = 16, prompt_len: int = 128, gen_len: int = 128, top_k: int = 32,
-                 time_budget_s: float | None = None, progress: bool = True, features: bool = False) -> list[Path]:
+                 time_budget_s: float | None = None, progress: bool = True,
+                 feature_layers: tuple[int, ...] = ()) -> list[Path]:
     """Generate shards for `prompts` into out_dir, skipping shards already there (resumable).
-    `features`: also store the target's last hidden states (for a feature draft)."""
+    `feature_layers`: also store the target's hidden states after those layers (for a feature draft)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = None
 
     def make(batch):
         nonlocal gen
-        gen = gen or TargetGenerator(target, rows, prompt_len, gen_len, top_k, features)
+        gen = gen or TargetGenerator(target, rows, prompt_len, gen_len, top_k, feature_layers)
         return gen.generate(batch, eos_ids)
 
     batches = [prompts[i:i + rows] for i in range(0, len(prompts), rows)]
@@ -281,20 +293,12 @@ def chat_transcripts(tokenizer, n: int, seq_len: int, skip: int = 0) -> list[lis
 def build_teacher_forced_shards(target: Llama, sequences: list[list[int]], out_dir: str | Path,
                                 rows: int = 8, seq_len: int = 240, top_k: int = 32,
                                 time_budget_s: float | None = None, progress: bool = True,
-                                features: bool = False) -> list[Path]:
+                                feature_layers: tuple[int, ...] = ()) -> list[Path]:
     """Target top-K over given token sequences (one cache-free forward per batch), as shards
-    `tf_XXXXX.npz` in the same format as `build_shards` (resumable; `features` as there)."""
+    `tf_XXXXX.npz` in the same format as `build_shards` (resumable; `feature_layers` as there)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    graphdef, params = nnx.split(target)
-
-    @jax.jit
-    def label(params, tokens):
-        model = nnx.merge(graphdef, params)
-        hidden = model.hidden_states(tokens)  # [B, T, D]
-        logp = jax.nn.log_softmax(model.unembed(hidden), axis=-1)  # [B, T, V]
-        vals, ids = jax.lax.top_k(logp, top_k)
-        return ids.astype(jnp.int32), vals.astype(jnp.float16), hidden.astype(jnp.float16)
+    label = _labeller(target, top_k, feature_layers)
 
     def make(batch):
         tokens = np.zeros((rows, seq_len), np.int32)
@@ -302,12 +306,53 @@ def build_teacher_forced_shards(target: Llama, sequences: list[list[int]], out_d
         for i, ids in enumerate(batch):
             tokens[i, :len(ids)] = ids
             mask[i, :len(ids) - 1] = True  # the prediction after the last token has no use
-        ids, lp, hidden = (np.asarray(a) for a in label(params, tokens))
+        ids, lp, feats = (np.asarray(a) for a in label(tokens))
         n = len(batch)
         out = {"tokens": tokens[:n], "mask": mask[:n], "top_ids": ids[:n], "top_lp": lp[:n]}
-        if features:
-            out["features"] = hidden[:n]
+        if feature_layers:
+            out["features"] = feats[:n]
         return out
 
     batches = [sequences[i:i + rows] for i in range(0, len(sequences), rows)]
     return write_shards(batches, out, "tf", make, "teacher-forced labels", time_budget_s, progress)
+
+
+def _labeller(target: Llama, top_k: int, feature_layers: tuple[int, ...]):
+    """label(tokens [B, T]) -> top-K ids [B, T, K], their log-probs (f16) and features [B, T, n·D] (f16): one
+    jitted cache-free forward (features at `feature_layers`, else the last hidden state)."""
+    graphdef, params = nnx.split(target)
+    read_layers = _read_layers(target, feature_layers)
+    d = target.config.hidden_size
+
+    @jax.jit
+    def label(params, tokens):
+        model = nnx.merge(graphdef, params)
+        feats = model.layer_features(tokens, read_layers)  # [B, T, n·D]
+        logp = jax.nn.log_softmax(model.unembed(feats[..., -d:]), axis=-1)  # [B, T, V]
+        vals, ids = jax.lax.top_k(logp, top_k)
+        return ids.astype(jnp.int32), vals.astype(jnp.float16), feats.astype(jnp.float16)
+
+    return lambda tokens: label(params, tokens)
+
+
+def refeature_shards(paths: list[Path], target: Llama, feature_layers: tuple[int, ...], out_dir: str | Path,
+                     progress: bool = True) -> list[Path]:
+    """Copies of existing shards (same names) into out_dir with `features` re-derived at `feature_layers` by a
+    teacher-forced forward over their tokens (resumable): other feature layers without regenerating the data.
+    The tokens, mask and top-K labels are kept as they are."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    label = _labeller(target, 1, feature_layers)
+    from tqdm import tqdm
+
+    done = []
+    for path in tqdm(paths, desc="features", unit="shard", disable=not progress):
+        dest = out / Path(path).name
+        if not dest.exists():
+            data = dict(np.load(path))
+            data["features"] = np.asarray(label(data["tokens"])[2])
+            tmp = out / f".tmp_{dest.name}"
+            np.savez(tmp, **data)
+            tmp.rename(dest)
+        done.append(dest)
+    return done

@@ -42,7 +42,7 @@ from jaxspec.proposers.base import NoProposer, Proposer, StepContext, empty_prop
 from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, StepResult
 from jaxspec.verify import RESIDUAL_KEY, verify, verify_tree
 from models.kv_cache import init_cache
-from models.llama import Llama, chain_inputs, serving_split
+from models.llama import Llama, StepInputs, chain_inputs, serving_split
 from models.sharding import Placement, cache_spec, padded_slots, plan_layout, replicated_layout
 
 
@@ -223,13 +223,13 @@ class Engine:
                     pstate = state.proposer
                 # tokens_in: [B, k+1] = pending then the proposals
                 tokens_in = jnp.concatenate([pending[:, None], proposals.token_ids], axis=1)
-                hidden, cache = target.forward_cached_hidden(chain_inputs(tokens_in, slot_ids, start), state.cache,
-                                                             window, layers=layers)  # [B, k+1, D]
+                hidden, features, cache = self._target_pass(target, chain_inputs(tokens_in, slot_ids, start),
+                                                            state.cache, window, layers)  # [B, k+1, D], [B, k+1, n·D]
                 logits = target.unembed(hidden)  # [B, k+1, V]
                 out, counts = verify(logits, proposals, ctx.rows)  # [B, k+1], [B]
                 proposed = proposals.lens
-                if proposer.reads_target_features:  # every committed position's feature, k = 0 included
-                    pstate = proposer.record_features(pstate, slot_ids, start, hidden)
+                if proposer.feature_layers:  # every committed position's feature, k = 0 included
+                    pstate = proposer.record_features(pstate, slot_ids, start, features)
 
             new_len = start + counts
             cache = cache.with_lengths(slot_ids, new_len)
@@ -259,6 +259,13 @@ class Engine:
 
         return body
 
+    def _target_pass(self, target, inputs: StepInputs, cache, window: int, layers):
+        """The target over `inputs`: (hidden [B, T, D], the proposer's features [B, T, n·D] or None, cache)."""
+        if self.proposer.feature_layers:
+            return target.forward_cached_features(inputs, cache, window, self.proposer.feature_layers, layers=layers)
+        hidden, cache = target.forward_cached_hidden(inputs, cache, window, layers=layers)
+        return hidden, None, cache
+
     def _prefill_body(self, chunk: int, window: int):
         proposer = self.proposer
 
@@ -272,13 +279,13 @@ class Engine:
                                 top_k=state.params.top_k.at[slot].set(top_k),
                                 seed=state.params.seed.at[slot].set(seed))
             inputs = chain_inputs(tokens, slot, start)
-            hidden, cache = target.forward_cached_hidden(inputs, state.cache, window, layers=layers)  # [1, C, D]
+            hidden, features, cache = self._target_pass(target, inputs, state.cache, window, layers)  # [1, C, D|n·D]
             # logits: [1, 1, V] after the chunk's last real token
             logits = target.unembed(jnp.take_along_axis(hidden, (n_valid - 1)[:, None, None], axis=1))
             cache = cache.with_lengths(slot, start + n_valid)
             pstate = state.proposer
-            if proposer.reads_target_features:  # stored for the draft's catch-up (it reads them)
-                pstate = proposer.record_features(pstate, slot, start, hidden)
+            if proposer.feature_layers:  # stored for the draft's catch-up (it reads them)
+                pstate = proposer.record_features(pstate, slot, start, features)
             if proposer.tracks_context:  # a draft sees the prompt lazily (catch-up): it holds nothing yet
                 pstate = proposer.forget(pstate, slot)
             else:

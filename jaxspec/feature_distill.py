@@ -42,16 +42,30 @@ REBUILD_COMMAND = "jaxspec distill --kind feature"
 
 @dataclasses.dataclass(frozen=True)
 class FeatureArch:
-    """The feature draft's shape and loss: `num_layers` decoder layers at the target's width."""
+    """The feature draft's shape and loss: `num_layers` decoder layers at the target's width, reading the
+    target's hidden states after `feature_layers` (None: its last layer only, EAGLE-1; e.g. (2, 15, 30): EAGLE-3's
+    low/mid/high fusion, the last entry the target's last layer)."""
 
     num_layers: int = 1
     vocab_keep: int | None = 8192  # None: the full vocabulary
     passes: int = 3  # training-time-test depth U
     reg_weight: float = 1.0  # weight of the feature regression next to the KL
+    feature_layers: tuple[int, ...] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict) -> FeatureArch:
-        return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw})
+        fields = {f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw}
+        if fields.get("feature_layers") is not None:
+            fields["feature_layers"] = tuple(fields["feature_layers"])
+        return cls(**fields)
+
+    def layers_for(self, target: ModelConfig) -> tuple[int, ...]:
+        """The target layer counts read, checked against the target (the last must be its last layer)."""
+        layers = self.feature_layers or (target.num_layers,)
+        if layers[-1] != target.num_layers or not all(1 <= i <= target.num_layers for i in layers):
+            raise ValueError(f"feature layers {layers} must lie in 1..{target.num_layers} and end with "
+                             f"{target.num_layers}, the target's last layer (what the draft predicts)")
+        return tuple(layers)
 
 
 def _target_head(target: Llama) -> jax.Array | None:
@@ -62,7 +76,8 @@ def _target_head(target: Llama) -> jax.Array | None:
 def build_feature_draft(target: Llama, arch: FeatureArch, keep_ids=None, seed: int = 0) -> FeatureDraft:
     """A feature draft sharing the target's embedding and head; layers initialised from its last layers."""
     draft = FeatureDraft(feature_draft_config(target.config, arch.num_layers), embed=target.embed.value,
-                         head=_target_head(target), keep_ids=keep_ids, rngs=nnx.Rngs(seed))
+                         feature_layers=arch.layers_for(target.config), head=_target_head(target),
+                         keep_ids=keep_ids, rngs=nnx.Rngs(seed))
     idx = np.arange(target.config.num_layers - arch.num_layers, target.config.num_layers)
     for name in draft.stacked_weight_names():
         getattr(draft, name).value = getattr(target, name).value[idx]
@@ -75,11 +90,12 @@ def feature_loss(draft: FeatureDraft, tokens, mask, top_ids, top_lp, features, f
     """Mean over the U passes of KL(target || draft) over the target's top-K + reg_weight x smooth L1 of the
     normalised features, each over the positions a depth-j proposal exists for (p >= j-1, masked).
 
-    tokens, mask: [B, T]; top_ids, top_lp: [B, T, K]; features: [B, T, D] the target's; full_to_kept: [V].
+    tokens, mask: [B, T]; top_ids, top_lp: [B, T, K]; features: [B, T, n·D] the target's at the draft's feature
+    layers (the last D: its last layer, what the draft predicts); full_to_kept: [V].
     Returns (loss, top-1 agreement per depth [U])."""
     eps = draft.config.rms_norm_eps
-    real = features.astype(jnp.float32)
-    predicted = draft.ttt_features(tokens, real, passes)  # [U, B, T, D]
+    predicted = draft.ttt_features(tokens, features.astype(jnp.float32), passes)  # [U, B, T, D]
+    real = features[..., -draft.config.hidden_size:].astype(jnp.float32)  # [B, T, D] the last layer's
     kid = full_to_kept[top_ids]  # [B, T, K]
     lp = top_lp.astype(jnp.float32)
     unit = jnp.ones((real.shape[-1],), jnp.float32)
@@ -139,7 +155,8 @@ def load_feature_draft(path: str | Path, target: Llama) -> FeatureDraft:
         weights = {k: z[k] for k in z.files}
     keep = weights.pop("keep_ids")
     draft = FeatureDraft(feature_draft_config(target.config, arch.num_layers), embed=target.embed.value,
-                         head=_target_head(target), keep_ids=keep, rngs=nnx.Rngs(0))
+                         feature_layers=arch.layers_for(target.config), head=_target_head(target), keep_ids=keep,
+                         rngs=nnx.Rngs(0))
     return load_trainable_state(draft, {k: v.astype(np.float32) for k, v in weights.items()})
 
 
@@ -167,19 +184,23 @@ def run(args: argparse.Namespace) -> int:
     from jaxspec.distill import ARTIFACTS, TrainConfig, Trainer, _load_target, training_prompts
 
     t_start = time.time()
+    fuse = tuple(int(x) for x in args.feature_fuse.split(",")) if args.feature_fuse else None
     arch = FeatureArch(num_layers=args.feature_layers, vocab_keep=args.vocab_keep or FeatureArch.vocab_keep,
-                       passes=args.ttt_passes, reg_weight=args.reg_weight)
+                       passes=args.ttt_passes, reg_weight=args.reg_weight, feature_layers=fuse)
     target, loaded = _load_target(args.model)
+    feature_layers = arch.layers_for(target.config)
     tok, tconf = loaded.tokenizer, loaded.config
     work = Path(args.work or ARTIFACTS / "distill" / f"feature{arch.num_layers}")
-    data_dir = Path(args.data or work.parent / f"data-features-{tconf.name}")
+    fused = "" if arch.feature_layers is None else "-layers" + "-".join(map(str, feature_layers))
+    data_dir = Path(args.data or work.parent / f"data-features-{tconf.name}{fused}")
     out = Path(args.out or shipped_feature_draft_dir(tconf.name))
     progress = not args.no_progress
 
     prompts = training_prompts(tok, args)
     shards = dd.build_shards(target, prompts, data_dir, tconf.eos_token_ids, rows=args.rows,
                              prompt_len=args.prompt_len, gen_len=args.gen_len, top_k=args.top_k,
-                             time_budget_s=args.data_minutes * 60, progress=progress, features=True)
+                             time_budget_s=args.data_minutes * 60, progress=progress,
+                             feature_layers=feature_layers)
     if len(shards) < 2:
         raise SystemExit(f"need at least 2 on-policy shards (one is held out); got {len(shards)}: raise --data-minutes")
     heldout, train_shards = dd.load_shards(shards[-1:]), shards[:-1]
@@ -187,8 +208,14 @@ def run(args: argparse.Namespace) -> int:
         seqs = dd.chat_transcripts(tok, args.tf_sequences, args.prompt_len + args.gen_len)
         train_shards = train_shards + dd.build_teacher_forced_shards(
             target, seqs, data_dir, rows=8, seq_len=args.prompt_len + args.gen_len, top_k=args.top_k,
-            time_budget_s=args.tf_minutes * 60, progress=progress, features=True)
+            time_budget_s=args.tf_minutes * 60, progress=progress, feature_layers=feature_layers)
     train = dd.load_shards(train_shards)
+    width = len(feature_layers) * tconf.hidden_size
+    for name, data in (("training", train), ("held-out", heldout)):
+        if data["features"].shape[-1] != width:
+            raise SystemExit(f"{name} shards in {data_dir} hold features {data['features'].shape[-1]} wide, not "
+                             f"{width} (layers {feature_layers}): they were built for other feature layers; "
+                             f"use another --data directory")
     t_data = time.time() - t_start
     keep = None
     if arch.vocab_keep:
@@ -213,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
                                   f"--prompts {args.prompts} --gen-len {args.gen_len} --top-k {args.top_k} "
                                   f"--data-minutes {args.data_minutes} --tf-minutes {args.tf_minutes} "
                                   f"--tf-sequences {args.tf_sequences} --ttt-passes {arch.passes} "
-                                  f"--reg-weight {arch.reg_weight} --feature-layers {arch.num_layers}",
+                                  f"--reg-weight {arch.reg_weight} --feature-layers {arch.num_layers}"
+                                  + (f" --feature-fuse {args.feature_fuse}" if args.feature_fuse else ""),
                        "train_sequences": int(len(train["tokens"])), "onpolicy_shards": len(shards) - 1,
                        "tf_shards": len(train_shards) - len(shards) + 1, "train_tokens": int(train["mask"].sum()),
                        "data_seconds": round(t_data), "total_seconds": round(time.time() - t_start)},

@@ -349,27 +349,36 @@ class Llama(nnx.Module):
         x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, p["w_down"])  # [B, T, D]
         return x, state
 
-    def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable, carry_state, layers=None):
+    def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable, carry_state, layers=None,
+                    collect: tuple[int, ...] = ()):
         """All decoder layers. `attend(layer, q, k, v, state) -> (out, state)`.
 
         With `layers` (from `serving_split`) the loop is unrolled over separate arrays (fast
         serving path); without, a `lax.scan` over the stacked weights (fast to compile; training).
+        Returns (x, state, collected): `collected` holds the hidden state [B, T, D] after each layer
+        count in `collect` (1 .. L; L is the returned x), in that order.
         """
         rope_cs = rope_tables(positions, self.config.head_dim, self.config.rope_theta)  # once, not per layer
+        if not all(1 <= i <= self.config.num_layers for i in collect):
+            raise ValueError(f"feature layers {collect} must be in 1..{self.config.num_layers}")
         if layers is None and is_serving_only(self):  # loaded straight into the serving layout
             layers = serving_layers(self)
         if layers is not None:
+            after = {}
             for index, p in enumerate(layers):
                 x, carry_state = self._decoder_layer(p, x, rope_cs, attend, index, carry_state)
-            return x, carry_state
+                if index + 1 in collect:
+                    after[index + 1] = x
+            return x, carry_state, tuple(after[i] for i in collect)
 
         def layer(carry, xs):
             p, index = xs
-            return self._decoder_layer(p, carry[0], rope_cs, attend, index, carry[1]), None
+            x, state = self._decoder_layer(p, carry[0], rope_cs, attend, index, carry[1])
+            return (x, state), (x if collect else None)
 
         xs = (self._layer_params(), jnp.arange(self.config.num_layers, dtype=jnp.int32))
-        (x, carry_state), _ = jax.lax.scan(layer, (x, carry_state), xs)
-        return x, carry_state
+        (x, carry_state), each = jax.lax.scan(layer, (x, carry_state), xs)  # each: [L, B, T, D] or None
+        return x, carry_state, tuple(each[i - 1] for i in collect)
 
     # --- entry points -------------------------------------------------------------
 
@@ -380,6 +389,12 @@ class Llama(nnx.Module):
 
     def hidden_states(self, tokens: jax.Array, layers: tuple[dict, ...] | None = None) -> jax.Array:
         """Cache-free causal forward to the last hidden state [B, T, D] (before the final norm)."""
+        return self.layer_features(tokens, (self.config.num_layers,), layers)
+
+    def layer_features(self, tokens: jax.Array, feature_layers: tuple[int, ...],
+                       layers: tuple[dict, ...] | None = None) -> jax.Array:
+        """Cache-free causal forward: the hidden states after each layer count in `feature_layers` (1 .. L),
+        concatenated: [B, T, len(feature_layers)·D]."""
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))  # [B, T, T]
@@ -387,8 +402,9 @@ class Llama(nnx.Module):
         def attend(index, q, k, v, state):
             return attention(q, k, v, causal), state
 
-        x, _ = self._run_layers(self.embed_tokens(tokens), positions, attend, (), layers)
-        return x
+        _, _, collected = self._run_layers(self.embed_tokens(tokens), positions, attend, (), layers,
+                                           collect=feature_layers)
+        return jnp.concatenate(collected, axis=-1)  # [B, T, n·D]
 
     def forward_cached(self, inputs: StepInputs, cache: KVCache, window: int,
                        logits_at: jax.Array | None = None,
@@ -417,6 +433,19 @@ class Llama(nnx.Module):
         feature draft reads). `embeds` [B, T, D] replaces the token embedding as the first layer's input;
         `mask` [B, T, W] the window mask, as in `forward_cached`.
         The layers are unrolled (one in-place cache buffer per layer)."""
+        hidden, _, cache = self._forward_cached(inputs, cache, window, layers, embeds, mask, ())
+        return hidden, cache
+
+    def forward_cached_features(self, inputs: StepInputs, cache: KVCache, window: int,
+                                feature_layers: tuple[int, ...],
+                                layers: tuple[dict, ...] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+        """`forward_cached_hidden` that also returns the hidden states after each layer count in
+        `feature_layers` (1 .. L), concatenated: (hidden [B, T, D], features [B, T, n·D], cache)."""
+        hidden, collected, cache = self._forward_cached(inputs, cache, window, layers, None, None, feature_layers)
+        return hidden, jnp.concatenate(collected, axis=-1), cache
+
+    def _forward_cached(self, inputs: StepInputs, cache: KVCache, window: int, layers, embeds, mask,
+                        collect: tuple[int, ...]) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
         if window > cache.max_len:
             raise ValueError(f"attention window {window} exceeds cache max_len {cache.max_len}")
         b, t = inputs.tokens.shape
@@ -446,8 +475,8 @@ class Llama(nnx.Module):
             return attention(q, kw, vw, mask, block_diagonal), (ks, vs)
 
         x = self.embed_tokens(inputs.tokens) if embeds is None else embeds  # [B, T, D]
-        x, (ks, vs) = self._run_layers(x, positions, attend, (cache.k, cache.v), layers)
-        return x, dataclasses.replace(cache, k=ks, v=vs)
+        x, (ks, vs), collected = self._run_layers(x, positions, attend, (cache.k, cache.v), layers, collect)
+        return x, collected, dataclasses.replace(cache, k=ks, v=vs)
 
 
 # --- conversion from / to Hugging Face layout ------------------------------------------

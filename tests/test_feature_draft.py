@@ -45,7 +45,8 @@ FIELDS = ("tokens", "mask", "top_ids", "top_lp", "features")
 def tiny_data(tiny_model):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, TINY.vocab_size, size=rng.integers(4, 12)).tolist() for _ in range(16)]
-    return TargetGenerator(tiny_model, rows=16, prompt_len=12, gen_len=20, top_k=8, features=True).generate(
+    return TargetGenerator(tiny_model, rows=16, prompt_len=12, gen_len=20, top_k=8,
+                           feature_layers=(TINY.num_layers,)).generate(
         prompts, eos_ids=())
 
 
@@ -73,7 +74,8 @@ def test_ttt_mask_is_what_a_depth_j_entry_sees():
 
 
 def test_training_passes_equal_the_serving_draft_at_every_depth(tiny_model):
-    draft = FeatureDraft(feature_draft_config(TINY), embed=tiny_model.embed.value, rngs=nnx.Rngs(3))
+    draft = FeatureDraft(feature_draft_config(TINY), embed=tiny_model.embed.value, feature_layers=(TINY.num_layers,),
+                         rngs=nnx.Rngs(3))
     b, t, s = 2, 12, 6  # anchor: committed length s, pending token at s
     tokens = jnp.asarray(np.random.default_rng(1).integers(2, TINY.vocab_size, (b, t)), jnp.int32)
     real = tiny_model.hidden_states(tokens)  # [B, T, D]

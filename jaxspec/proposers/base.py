@@ -47,9 +47,10 @@ class Proposer:
     in_step_catch_up: int = 1
     #: Whether `propose_tree` builds token trees (jaxspec/tree.py) for a menu's tree envelopes.
     builds_trees: bool = False
-    #: Whether the proposer reads the target's features (last hidden states before the final norm): the
-    #: engine then hands every target pass's features to `record_features`, k = 0 steps and prefill included.
-    reads_target_features: bool = False
+    #: The target layers (1 .. L) whose hidden states the proposer reads as its features (L: the last hidden state,
+    #: before the final norm); empty: none. If any, the engine hands every target pass's features to
+    #: `record_features`, k = 0 steps and prefill included.
+    feature_layers: tuple[int, ...] = ()
 
     def init_state(self, num_slots: int, max_len: int):
         """Device state for `num_slots` slots (+ scratch). Default: none."""
@@ -73,8 +74,9 @@ class Proposer:
         raise NotImplementedError(f"the {self.name!r} proposer does not build token trees")
 
     def record_features(self, state, slot_ids: jax.Array, start: jax.Array, features: jax.Array):
-        """The target's features [B, T, D] of the tokens it just saw at start .. start+T-1 (before `prefill` in
-        a prompt chunk, before `commit` in a step). Only called when `reads_target_features`."""
+        """The target's features [B, T, n·D] (its hidden states after the n `feature_layers`, concatenated) of the
+        tokens it just saw at start .. start+T-1 (before `prefill` in a prompt chunk, before `commit` in a step).
+        Only called for a proposer with `feature_layers`."""
         return state
 
     def commit(self, params, state, ctx: StepContext, k: int, n_accepted: jax.Array, window: int):

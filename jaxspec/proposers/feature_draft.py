@@ -37,7 +37,8 @@ from models.sharding import Placement
 @dataclasses.dataclass(frozen=True)
 class FeatureDraftState:
     """cache: the draft's KV cache (lengths = entries on real features).
-    features: [S+1, M, D] the target's feature after every committed position of every slot."""
+    features: [S+1, M, n·D] the target's feature (hidden states after the draft's n feature layers) after every
+              committed position of every slot."""
 
     cache: KVCache
     features: jax.Array
@@ -48,10 +49,9 @@ class FeatureDraftProposer(Proposer):
 
     tracks_context = True
     in_step_catch_up = 1  # propose feeds the pending token itself
-    reads_target_features = True
-
     def __init__(self, draft: FeatureDraft, name: str = "feature"):
         self.name = name
+        self.feature_layers = draft.feature_layers
         self.config = draft.config
         self.draft = draft
         self.graphdef = nnx.graphdef(draft)
@@ -62,21 +62,22 @@ class FeatureDraftProposer(Proposer):
     def init_state(self, num_slots: int, max_len: int) -> FeatureDraftState:
         c = self.config
         return FeatureDraftState(cache=init_cache(c, num_slots, max_len),
-                                 features=jnp.zeros((num_slots + 1, max_len, c.hidden_size), jnp.dtype(c.dtype)))
+                                 features=jnp.zeros((num_slots + 1, max_len, self.draft.feature_width),
+                                                    jnp.dtype(c.dtype)))
 
     def _model(self, params: ServingParams) -> tuple[FeatureDraft, tuple[dict, ...]]:
         return nnx.merge(self.graphdef, params[0]), params[1]
 
     @staticmethod
     def _previous_features(state: FeatureDraftState, slot_ids: jax.Array, positions: jax.Array) -> jax.Array:
-        """features of positions - 1 (zeros before position 0): positions [B, T] -> [B, T, D]."""
+        """features of positions - 1 (zeros before position 0): positions [B, T] -> [B, T, n·D]."""
         m = state.features.shape[1]
         prev = positions - 1  # [B, T]
-        feats = state.features[slot_ids[:, None], jnp.clip(prev, 0, m - 1)]  # [B, T, D]
+        feats = state.features[slot_ids[:, None], jnp.clip(prev, 0, m - 1)]  # [B, T, n·D]
         return jnp.where((prev >= 0)[..., None], feats, jnp.zeros_like(feats))
 
     def record_features(self, state: FeatureDraftState, slot_ids, start, features) -> FeatureDraftState:
-        # features: [B, T, D] of the target's tokens at start .. start+T-1 -> buffer [S+1, M, D]
+        # features: [B, T, n·D] of the target's tokens at start .. start+T-1 -> buffer [S+1, M, n·D]
         positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
         buffer = state.features.at[slot_ids[:, None], positions].set(features.astype(state.features.dtype),
                                                                       mode="drop")
@@ -103,7 +104,7 @@ class FeatureDraftProposer(Proposer):
         draft, layers = self._model(params)
         pending = ctx.history[ctx.slot_ids, ctx.start]  # [B]
         # entry s: the pending token with the target's feature of s-1
-        prev = self._previous_features(state, ctx.slot_ids, ctx.start[:, None])  # [B, 1, D]
+        prev = self._previous_features(state, ctx.slot_ids, ctx.start[:, None])  # [B, 1, n·D]
         feature, cache = draft.forward_features(chain_inputs(pending[:, None], ctx.slot_ids, ctx.start), prev,
                                                 state.cache, window, layers=layers)  # [B, 1, D]
 

@@ -39,7 +39,7 @@ class NoisyProposer(Proposer):
         self.name = f"noisy({inner.name},{alpha:g})"
         self.config = getattr(inner, "config", None)
         self.tracks_context, self.in_step_catch_up = inner.tracks_context, inner.in_step_catch_up
-        self.reads_target_features = inner.reads_target_features
+        self.feature_layers = inner.feature_layers
 
     def init_state(self, num_slots, max_len):
         return self.inner.init_state(num_slots, max_len)

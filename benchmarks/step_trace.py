@@ -1,0 +1,164 @@
+"""Where a compiled step's time goes, kernel by kernel, next to the bare chain of its own matmuls.
+
+    PYTHONPATH=. python -m benchmarks.step_trace --k 0,4 --window 512 --out docs/results/step_trace.json
+
+For each k: the default model's engine at B = 1 (prompt lookup for k > 0, one window bucket W = max_len),
+its compiled (1, k, W) step executable and the bare chain at T = k + 1 (`jaxspec/floor.py`) are each run
+`--calls` times under `jax.profiler` (a perfetto trace). Every traced kernel is matched by name to an
+instruction of its program's optimised HLO and summed per (category, kernel kind, output shape):
+
+    weight matmul  a dot or dot fusion whose output is [T, X] (or [X, T]) with X a serving weight's output
+                   width (fused qkv, D, fused gate/up, V): what the bare chain also does
+    attention      the other dot fusions and the window copies (dynamic slices of the cache)
+    other          everything else (norms, RoPE, cache writes, residual adds, verify and state updates)
+
+The trace adds a little time to every kernel: compare the two programs' totals in the same run, not
+their milliseconds with `decode_speed`. Record the load with the result (it is printed and saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import jax
+
+from benchmarks.common import machine
+from jaxspec.build import build_model, build_proposer
+from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.floor import bare_chain, load, step_call
+from jaxspec.menu import Menu, StepKey
+from jaxspec.types import SamplingParams
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (\S+) (\S+?)\(", re.M)
+_FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
+
+
+def entry_kernels(hlo: str) -> dict[str, tuple[str, str]]:
+    """name -> (opcode, output shape) of every instruction of the ENTRY computation that runs a kernel."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    return {name: (opcode, shape) for name, shape, opcode in _INSTRUCTION.findall(entry) if opcode not in _FREE}
+
+
+def category(opcode: str, name: str, shape: str, t: int, weight_widths: set[int]) -> str:
+    """weight matmul / attention / other (module docstring) for one kernel."""
+    dims = [int(d) for d in re.findall(r"\d+", shape.split("{")[0].split("[", 1)[-1])]
+    is_dot = opcode == "dot" or name.startswith(("ynn_fusion", "xnn_fusion", "dot", "copy_dot"))
+    if is_dot and sorted(d for d in dims if d != 1) in (sorted(d for d in (t, x) if d != 1) for x in weight_widths):
+        # [T, X], [X, T] (XLA transposed it) or [X] (T = 1 squeezed)
+        return "weight matmul"
+    if is_dot or "dynamic-slice" in name:
+        return "attention"
+    return "other"
+
+
+def kernel_times(call, hlo: str, calls: int) -> dict[str, float]:
+    """Milliseconds per call of every ENTRY kernel of `hlo`, from a profiler trace of `calls` calls."""
+    kernels = entry_kernels(hlo)
+    totals: collections.Counter = collections.Counter()
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                call()
+        trace_file = next(Path(trace_dir).rglob("*.trace.json.gz"))
+        events = json.loads(gzip.open(trace_file).read())
+    for event in events["traceEvents"] if isinstance(events, dict) else events:
+        if event.get("ph") == "X" and event.get("name") in kernels:
+            totals[event["name"]] += event.get("dur", 0) / 1e3  # µs -> ms
+    return {name: ms / calls for name, ms in totals.items()}
+
+
+def breakdown(per_kernel: dict[str, float], hlo: str, t: int, weight_widths: set[int]) -> list[dict]:
+    """Rows {category, kind, shape, ms, count} per (category, kernel kind, output shape), slowest first."""
+    kernels = entry_kernels(hlo)
+    rows: dict[tuple, dict] = {}
+    for name, ms in per_kernel.items():
+        opcode, shape = kernels[name]
+        kind = re.sub(r"\.\d+$", "", name)
+        key = (category(opcode, name, shape, t, weight_widths), kind, shape)
+        row = rows.setdefault(key, {"category": key[0], "kind": kind, "shape": shape, "ms": 0.0, "count": 0})
+        row["ms"] += ms
+        row["count"] += 1
+    return sorted(rows.values(), key=lambda r: -r["ms"])
+
+
+def summary(rows: list[dict]) -> dict[str, float]:
+    out = collections.Counter()
+    for r in rows:
+        out[r["category"]] += r["ms"]
+    parts = {c: round(out[c], 3) for c in ("weight matmul", "attention", "other")}
+    return {**parts, "total": round(sum(out.values()), 3)}
+
+
+def trace_step(built, k: int, window: int, calls: int) -> dict:
+    """The step at (1, k, W) and the bare chain at T = k + 1, each traced and broken down."""
+    proposer = build_proposer("ngram", built.model) if k > 0 else None
+    engine = Engine(built.model, proposer, Menu(num_slots=1, max_len=window, batch_buckets=(1,), k_menu=(k,),
+                                                window_buckets=(window,), prefill_buckets=(64,)))
+    engine.warmup(progress=False)
+    engine.prefill(0, [2 + i % 7 for i in range(8)], SamplingParams(temperature=0.0))
+    c = engine.model_config
+    widths = {engine.placed_weights()[1][0]["wqkv"].size // c.hidden_size, c.hidden_size,
+              2 * c.intermediate_size, c.vocab_size}
+    step = step_call(engine, k, window)
+    fn, args = bare_chain(engine, k + 1)
+    bare_compiled = fn.lower(*args).compile()
+
+    def bare():
+        bare_compiled(*args).block_until_ready()
+
+    for _ in range(3):  # past first runs
+        step()
+        bare()
+    out = {"k": k, "W": window, "T": k + 1, "load_before": load()}
+    for label, call, hlo in (("engine", step, engine.compiled_text(StepKey(1, k, window))),
+                             ("bare", bare, bare_compiled.as_text())):
+        rows = breakdown(kernel_times(call, hlo, calls), hlo, k + 1, widths)
+        out[label] = {"summary": summary(rows), "kernels": rows}
+    out["load_after"] = load()
+    return out
+
+
+def format_result(r: dict, top: int = 12) -> str:
+    lines = [f"k = {r['k']}, W = {r['W']} (T = {r['T']}); {r['load_before']} -> {r['load_after'].split(' (')[0]}",
+             f"{'':8} {'weight matmul':>14} {'attention':>10} {'other':>8} {'total':>8}  (ms per call)"]
+    for label in ("engine", "bare"):
+        s = r[label]["summary"]
+        lines.append(f"{label:8} {s['weight matmul']:>14.2f} {s['attention']:>10.2f} {s['other']:>8.2f} "
+                     f"{s['total']:>8.2f}")
+    lines.append(f"engine kernels, slowest {top}:")
+    lines += [f"  {x['ms']:7.3f} ms  {x['count']:4d}x  {x['category']:<14} {x['kind']:<32} {x['shape']}"
+              for x in r["engine"]["kernels"][:top]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k", type=lambda s: [int(x) for x in s.split(",")], default=[0, 4],
+                        help="speculation lengths, comma-separated (k > 0 uses prompt lookup)")
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--calls", type=int, default=20, help="traced calls of each program")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file for the results")
+    args = parser.parse_args(argv)
+    enable_compilation_cache()
+    built = build_model(None)
+    results = []
+    for k in args.k:
+        results.append(trace_step(built, k, args.window, args.calls))
+        print(format_result(results[-1]), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"machine": machine(), "model": built.name, "calls": args.calls,
+                                        "results": results}, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
