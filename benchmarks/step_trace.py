@@ -96,11 +96,11 @@ def summary(rows: list[dict]) -> dict[str, float]:
     return {**parts, "total": round(sum(out.values()), 3)}
 
 
-def trace_step(built, k: int, window: int, calls: int) -> dict:
-    """The step at (1, k, W) and the bare chain at T = k + 1, each traced and broken down."""
-    proposer = build_proposer("ngram", built.model) if k > 0 else None
-    engine = Engine(built.model, proposer, Menu(num_slots=1, max_len=window, batch_buckets=(1,), k_menu=(k,),
-                                                window_buckets=(window,), prefill_buckets=(64,)))
+def trace_step(model, k: int, window: int, calls: int) -> dict:
+    """The step of `model` at (1, k, W) and the bare chain at T = k + 1, each traced and broken down."""
+    proposer = build_proposer("ngram", model) if k > 0 else None
+    engine = Engine(model, proposer, Menu(num_slots=1, max_len=window, batch_buckets=(1,), k_menu=(k,),
+                                                window_buckets=(window,), prefill_buckets=(min(64, window),)))
     engine.warmup(progress=False)
     engine.prefill(0, [2 + i % 7 for i in range(8)], SamplingParams(temperature=0.0))
     c = engine.model_config
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     built = build_model(None)
     results = []
     for k in args.k:
-        results.append(trace_step(built, k, args.window, args.calls))
+        results.append(trace_step(built.model, k, args.window, args.calls))
         print(format_result(results[-1]), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

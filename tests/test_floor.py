@@ -47,3 +47,17 @@ def test_step_vs_bare_rows_and_window_growth(engine):
         assert g["added_kv_mb"] == pytest.approx(kv_window_mb(engine, 64) - kv_window_mb(engine, 32))
         assert g["ratio"] == pytest.approx(g["added_ms"] / (g["added_kv_mb"] / g["bandwidth_gb_s"]))
     assert engine.length(0) == 0  # the engine is reset afterwards
+
+
+def test_step_trace_splits_the_step_into_the_bare_chains_matmuls_and_the_rest(tiny_model):
+    """benchmarks/step_trace.py on the tiny model: every traced kernel is one of its program's HLO kernels; the
+    bare chain is all weight matmuls (no attention); the step has the same weight matmuls plus attention."""
+    from benchmarks.step_trace import trace_step
+
+    result = trace_step(tiny_model, k=1, window=32, calls=3)
+    engine, bare = result["engine"], result["bare"]
+    assert bare["summary"]["attention"] == 0 and bare["summary"]["weight matmul"] > 0
+    assert engine["summary"]["attention"] > 0 and engine["summary"]["weight matmul"] > 0
+    bare_matmuls = sorted((r["shape"], r["count"]) for r in bare["kernels"] if r["category"] == "weight matmul")
+    engine_matmuls = sorted((r["shape"], r["count"]) for r in engine["kernels"] if r["category"] == "weight matmul")
+    assert sum(n for _, n in engine_matmuls) == sum(n for _, n in bare_matmuls), (engine_matmuls, bare_matmuls)
