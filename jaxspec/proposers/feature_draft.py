@@ -49,6 +49,7 @@ class FeatureDraftProposer(Proposer):
 
     tracks_context = True
     in_step_catch_up = 1  # propose feeds the pending token itself
+
     def __init__(self, draft: FeatureDraft, name: str = "feature"):
         self.name = name
         self.feature_layers = draft.feature_layers
