@@ -34,6 +34,15 @@ from jaxspec.types import SamplingParams
 PROPOSERS = {"feature": ("draft", "feature"), "token": ("draft", "default"), "ngram": ("ngram", None)}
 
 
+def proposer_spec(name: str) -> tuple[str, str | None]:
+    """(kind, draft spec) of a --proposers entry: a name in PROPOSERS, or feature:DIR (a saved feature draft)."""
+    if name.startswith("feature:"):
+        return "draft", name
+    if name not in PROPOSERS:
+        raise SystemExit(f"unknown proposer {name!r}: choose from {', '.join(PROPOSERS)} or feature:DIR")
+    return PROPOSERS[name]
+
+
 def step_seconds(engine: Engine, prompt: list[int], k: int, repeats: int) -> float:
     """Median seconds of one B = 1 step at speculation length k (fresh context each repeat)."""
     times = []
@@ -53,7 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--proposers", default="feature,token,ngram")
+    ap.add_argument("--proposers", default="feature,token,ngram",
+                    help="comma-separated: feature, token, ngram, or feature:DIR (a feature draft saved there)")
     ap.add_argument("--out", default="artifacts/feature_draft_study.json")
     args = ap.parse_args(argv)
     target, loaded, prompts, load_before = heldout_chat_setup(args.prompts)
@@ -68,7 +78,7 @@ def main(argv=None) -> int:
                "command": "PYTHONPATH=. python benchmarks/feature_draft_study.py " + " ".join(argv or []),
                "proposers": {}}
     for name in args.proposers.split(","):
-        kind, spec = PROPOSERS[name]
+        kind, spec = proposer_spec(name)
         engine = Engine(target, build_proposer(kind, target, spec), menu)
         engine.warmup(progress=False)
         r = {}
