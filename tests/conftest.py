@@ -74,3 +74,11 @@ def decode(engine: Engine, prompts, k: int, n_new: int, params=None, slots=None)
         accepted += int(result.accepted.sum())
         proposed += int(result.proposed.sum())
     return [o[:n_new] for o in outputs], accepted / max(proposed, 1)
+
+
+def assert_draft_caches_equal(lazy, eager, lengths) -> None:
+    """Two draft KV caches hold the same entries, bit for bit, in slots 0.. (each up to its length in `lengths`)."""
+    for s, n in enumerate(lengths):
+        assert lazy.lengths[s] == eager.lengths[s] == n
+        for a, b in zip(lazy.k + lazy.v, eager.k + eager.v):
+            np.testing.assert_array_equal(a[s, :n], b[s, :n])

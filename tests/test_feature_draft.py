@@ -33,7 +33,7 @@ from models.config import TINY
 from models.feature_draft import FeatureDraft, feature_draft_config, ttt_mask
 from models.kv_cache import init_cache
 from models.llama import chain_inputs
-from tests.conftest import decode, random_prompts, reference_greedy
+from tests.conftest import assert_draft_caches_equal, decode, random_prompts, reference_greedy
 
 MENU = Menu(num_slots=8, max_len=128, batch_buckets=(1, 8), k_menu=(0, 1, 2, 3, 5), window_buckets=(128,),
             prefill_buckets=(16, 32))
@@ -164,11 +164,7 @@ def test_lazy_catch_up_builds_the_draft_cache_bitwise(engine, references):
             assert engine._catch_up([0, 1]) == 2  # one chunk per slot: nine missed tokens each
         caches.append(jax.tree.map(np.asarray, engine.state.proposer.cache))
         lengths = engine.lengths[:2]
-    lazy, eager = caches
-    for s, n in zip((0, 1), lengths):
-        assert lazy.lengths[s] == eager.lengths[s] == n
-        for a, b in zip(lazy.k + lazy.v, eager.k + eager.v):
-            np.testing.assert_array_equal(a[s, :n], b[s, :n])
+    assert_draft_caches_equal(*caches, lengths)
 
 
 def test_checkpoint_resume_next_step_identical(tiny_model, tiny_data, tmp_path):

@@ -33,7 +33,7 @@ from models.config import TINY
 from models.feature_draft import FeatureDraft, feature_draft_config
 from models.kv_cache import init_cache
 from models.llama import chain_inputs
-from tests.conftest import decode, random_prompts, reference_greedy
+from tests.conftest import assert_draft_caches_equal, decode, random_prompts, reference_greedy
 
 LAYERS = (1, TINY.num_layers)  # "low" and last of the 2-layer tiny target
 ARCH = FeatureArch(num_layers=1, vocab_keep=48, passes=3, feature_layers=LAYERS)
@@ -155,11 +155,7 @@ def test_fused_lazy_catch_up_builds_the_draft_cache_bitwise(engine):
             engine._catch_up([0, 1])
         caches.append(jax.tree.map(np.asarray, engine.state.proposer.cache))
         lengths = engine.lengths[:2]
-    lazy, eager = caches
-    for s, n in zip((0, 1), lengths):
-        assert lazy.lengths[s] == eager.lengths[s] == n
-        for a, b in zip(lazy.k + lazy.v, eager.k + eager.v):
-            np.testing.assert_array_equal(a[s, :n], b[s, :n])
+    assert_draft_caches_equal(*caches, lengths)
 
 
 def test_refeatured_shards_equal_the_generators_features(tiny_model, fused_data, tmp_path):
