@@ -506,7 +506,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt-every", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--feature-layers", type=int, default=1, help="--kind feature: decoder layers of the draft")
-    parser.add_argument("--feature-fuse", default=None, metavar="L1,L2,..",
+    parser.add_argument("--feature-fuse", default=None, metavar="L1,L2,..", type=_layer_list,
                         help="--kind feature: fuse the target's hidden states after these layers (EAGLE-3, e.g. "
                              "2,15,30; the last must be the target's last layer; default: its last layer only)")
     parser.add_argument("--ttt-passes", type=int, default=3,
@@ -514,6 +514,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reg-weight", type=float, default=1.0,
                         help="--kind feature: weight of the feature regression next to the KL")
     parser.add_argument("--no-progress", action="store_true")
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    """'2,15,30' -> (2, 15, 30) for --feature-fuse (an argparse type: a bad list is a usage error)."""
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
+    if list(layers) != sorted(set(layers)) or layers[0] < 1:
+        raise argparse.ArgumentTypeError(f"layers must be distinct, ascending and >= 1, got {text!r}")
+    return layers
 
 
 def training_prompts(tokenizer, args: argparse.Namespace) -> list[list[int]]:

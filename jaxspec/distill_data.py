@@ -130,12 +130,6 @@ class TargetGenerator:
         config = target.config
         max_len = self.max_len
 
-        def topk(logits):
-            # logits [..., V] -> top-K ids, log-probs over the full vocabulary
-            logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-            vals, ids = jax.lax.top_k(logp, top_k)
-            return ids.astype(jnp.int32), vals.astype(jnp.float16)
-
         def run(params, tokens, lens):
             # tokens [B, C] right-padded prompts, lens [B]
             model = nnx.merge(graphdef, params)
@@ -157,9 +151,7 @@ class TargetGenerator:
             seq = jnp.zeros((r, max_len), jnp.int32).at[:, :tokens.shape[1]].set(tokens)
             pos = lens[:, None] + jnp.arange(gen_len, dtype=jnp.int32)[None, :]  # [B, T]
             seq = seq.at[slots[:, None], pos].set(gen)  # [B, M] prompt, then the continuation
-            feats = model.layer_features(seq, read_layers)  # [B, M, n·D], the last D the last hidden state
-            ids, lp = topk(model.unembed(feats[..., -config.hidden_size:]))  # [B, M, K] next-token top-K
-            return seq, gen, ids, lp, feats.astype(jnp.float16)
+            return (seq, gen, *_labels(model, seq, read_layers, top_k))  # labels and features after every token
 
         self._run = jax.jit(run)
 
@@ -317,21 +309,22 @@ def build_teacher_forced_shards(target: Llama, sequences: list[list[int]], out_d
     return write_shards(batches, out, "tf", make, "teacher-forced labels", time_budget_s, progress)
 
 
+def _labels(model: Llama, tokens: jax.Array, read_layers: tuple[int, ...], top_k: int):
+    """One cache-free forward over tokens [B, T] -> the target's next-token top-K ids [B, T, K] (int32), their
+    log-probs over the full vocabulary (f16) and its hidden states after `read_layers` [B, T, n·D] (f16; the
+    last D are the last hidden state, which the LM head decodes)."""
+    feats = model.layer_features(tokens, read_layers)  # [B, T, n·D]
+    logp = jax.nn.log_softmax(model.unembed(feats[..., -model.config.hidden_size:]), axis=-1)  # [B, T, V]
+    vals, ids = jax.lax.top_k(logp, top_k)
+    return ids.astype(jnp.int32), vals.astype(jnp.float16), feats.astype(jnp.float16)
+
+
 def _labeller(target: Llama, top_k: int, feature_layers: tuple[int, ...]):
-    """label(tokens [B, T]) -> top-K ids [B, T, K], their log-probs (f16) and features [B, T, n·D] (f16): one
-    jitted cache-free forward (features at `feature_layers`, else the last hidden state)."""
+    """label(tokens [B, T]) -> `_labels` of the target, jitted (features at `feature_layers`, else the last
+    hidden state)."""
     graphdef, params = nnx.split(target)
     read_layers = _read_layers(target, feature_layers)
-    d = target.config.hidden_size
-
-    @jax.jit
-    def label(params, tokens):
-        model = nnx.merge(graphdef, params)
-        feats = model.layer_features(tokens, read_layers)  # [B, T, n·D]
-        logp = jax.nn.log_softmax(model.unembed(feats[..., -d:]), axis=-1)  # [B, T, V]
-        vals, ids = jax.lax.top_k(logp, top_k)
-        return ids.astype(jnp.int32), vals.astype(jnp.float16), feats.astype(jnp.float16)
-
+    label = jax.jit(lambda params, tokens: _labels(nnx.merge(graphdef, params), tokens, read_layers, top_k))
     return lambda tokens: label(params, tokens)
 
 

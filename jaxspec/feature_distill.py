@@ -184,9 +184,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxspec.distill import ARTIFACTS, TrainConfig, Trainer, _load_target, training_prompts
 
     t_start = time.time()
-    fuse = tuple(int(x) for x in args.feature_fuse.split(",")) if args.feature_fuse else None
     arch = FeatureArch(num_layers=args.feature_layers, vocab_keep=args.vocab_keep or FeatureArch.vocab_keep,
-                       passes=args.ttt_passes, reg_weight=args.reg_weight, feature_layers=fuse)
+                       passes=args.ttt_passes, reg_weight=args.reg_weight, feature_layers=args.feature_fuse)
     target, loaded = _load_target(args.model)
     feature_layers = arch.layers_for(target.config)
     tok, tconf = loaded.tokenizer, loaded.config
@@ -241,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
                                   f"--data-minutes {args.data_minutes} --tf-minutes {args.tf_minutes} "
                                   f"--tf-sequences {args.tf_sequences} --ttt-passes {arch.passes} "
                                   f"--reg-weight {arch.reg_weight} --feature-layers {arch.num_layers}"
-                                  + (f" --feature-fuse {args.feature_fuse}" if args.feature_fuse else ""),
+                                  + (f" --feature-fuse {','.join(map(str, feature_layers))}" if arch.feature_layers
+                                     else ""),
                        "train_sequences": int(len(train["tokens"])), "onpolicy_shards": len(shards) - 1,
                        "tf_shards": len(train_shards) - len(shards) + 1, "train_tokens": int(train["mask"].sum()),
                        "data_seconds": round(t_data), "total_seconds": round(time.time() - t_start)},

@@ -183,3 +183,17 @@ def test_layers_must_end_with_the_targets_last():
     with pytest.raises(ValueError, match="end with 2"):
         FeatureArch(feature_layers=(1,)).layers_for(TINY)
     assert FeatureArch().layers_for(TINY) == (TINY.num_layers,)
+
+
+def test_feature_fuse_flag_refuses_a_bad_list(capsys):
+    import argparse
+
+    from jaxspec.distill import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--feature-fuse", "2,15,30"]).feature_fuse == (2, 15, 30)
+    for bad in ("2,x", "15,2", "0,30"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--feature-fuse", bad])
+        assert "--feature-fuse" in capsys.readouterr().err
