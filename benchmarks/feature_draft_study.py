@@ -8,8 +8,10 @@ B = 8, at temperature 0 and 1, on the same prompts; recorded per proposer and te
     all k proposals (jaxspec.distill.EngineMeasure.depth_acceptance);
   * per-token acceptance α (the geometric-model MLE the goodput policy uses) and tokens per step;
   * greedy outputs compared with plain decoding token for token (must be equal);
-and per proposer the step time at B = 1 for k = 0 and k = --k (median of --repeats timed steps at one
-context), so the draft's cost per proposed token relative to a target step is
+and per proposer the step time at B = 1 for k = 0 and k = --k: each proposer's compiled step executable
+alone (`jaxspec.floor.step_call`, window 256), every proposer's two steps called in turn, --repeats rounds,
+the median of each (so drift and other load hit every proposer alike; a proposer timed after another is
+not compared across minutes). The draft's cost per proposed token relative to a target step is
 (T(1, k) - T(1, 0)) / (k · T(1, 0)) (this includes verifying the k extra positions).
 The machine load (`os.getloadavg`) is recorded before and after.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from benchmarks.common import heldout_chat_setup
 from jaxspec.build import build_proposer
 from jaxspec.distill import measure_engine
 from jaxspec.engine import Engine
+from jaxspec.floor import interleaved_medians, step_call
 from jaxspec.menu import Menu
 from jaxspec.types import SamplingParams
 
@@ -44,7 +48,8 @@ def proposer_spec(name: str) -> tuple[str, str | None]:
 
 
 def step_seconds(engine: Engine, prompt: list[int], k: int, repeats: int) -> float:
-    """Median seconds of one B = 1 step at speculation length k (fresh context each repeat)."""
+    """Median seconds of one B = 1 step at speculation length k, host work included (fresh context each repeat;
+    used by benchmarks/tree_study.py)."""
     times = []
     for _ in range(repeats):
         engine.prefill(0, prompt, SamplingParams())
@@ -61,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=24, help="held-out chat prompts")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=40, help="rounds of the interleaved step timing")
     ap.add_argument("--proposers", default="feature,token,ngram",
                     help="comma-separated: feature, token, ngram, or feature:DIR (a feature draft saved there)")
     ap.add_argument("--out", default="artifacts/feature_draft_study.json")
@@ -75,8 +80,10 @@ def main(argv=None) -> int:
     reference = measure_engine(plain, prompts, 0, 8, 0.0, args.max_tokens, eos).outputs
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": loaded.config.name,
                "prompts": len(prompts), "max_tokens": args.max_tokens, "k": args.k, "batch": 8,
-               "command": "PYTHONPATH=. python benchmarks/feature_draft_study.py " + " ".join(argv or []),
+               "command": "PYTHONPATH=. python benchmarks/feature_draft_study.py "
+                          + " ".join(sys.argv[1:] if argv is None else argv),
                "proposers": {}}
+    engines = {}
     for name in args.proposers.split(","):
         kind, spec = proposer_spec(name)
         engine = Engine(target, build_proposer(kind, target, spec), menu)
@@ -89,13 +96,19 @@ def main(argv=None) -> int:
                                       "full_steps": m.full_steps}
             if temperature == 0.0:
                 r["greedy_equal"] = float(np.mean([a == b for a, b in zip(m.outputs, reference)]))
-        t0 = step_seconds(engine, prompts[0], 0, args.repeats)
-        tk = step_seconds(engine, prompts[0], args.k, args.repeats)
+        results["proposers"][name] = r
+        engines[name] = engine
+        print(name, json.dumps(r), flush=True)
+    calls = []
+    for engine in engines.values():
+        engine.reset()
+        engine.prefill(0, prompts[0], SamplingParams(temperature=0.0))
+        calls += [step_call(engine, 0, 256), step_call(engine, args.k, 256)]
+    medians = interleaved_medians(calls, args.repeats)
+    for i, r in enumerate(results["proposers"].values()):
+        t0, tk = medians[2 * i], medians[2 * i + 1]
         r["step_ms"] = {"k0": round(1e3 * t0, 2), f"k{args.k}": round(1e3 * tk, 2)}
         r["cost_per_proposed_token"] = round((tk - t0) / (args.k * t0), 4)
-        results["proposers"][name] = r
-        print(name, json.dumps(r), flush=True)
-        del engine
     results["load_before_after"] = [round(x, 2) for x in load_before] + [round(x, 2) for x in os.getloadavg()]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -59,7 +59,7 @@ def bare_chain(engine, t: int):
     return jax.jit(chain), (x, mats, head)
 
 
-def _interleaved_medians(calls, repeats: int) -> list[float]:
+def interleaved_medians(calls, repeats: int) -> list[float]:
     """Median seconds of each call, the calls alternated repeat by repeat (drift hits them alike)."""
     for call in calls:
         call()  # untimed first run
@@ -108,7 +108,7 @@ def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8) -> list[dict]:
     for k in engine.menu.k_menu:
         for window in engine.menu.window_buckets:
             before = load()
-            step_s, bare_s = _interleaved_medians([step_call(engine, k, window), bare[k]], repeats)
+            step_s, bare_s = interleaved_medians([step_call(engine, k, window), bare[k]], repeats)
             rows.append({"k": k, "W": window, "T": k + 1, "engine_ms": step_s * 1e3, "bare_ms": bare_s * 1e3,
                          "ratio": step_s / bare_s, "load_before": before, "load_after": load()})
     engine.reset()
