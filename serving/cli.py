@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
             getattr(importlib.import_module(module), add)(p)
         except ImportError as exc:  # a command whose optional parts are not installed/built
             p.set_defaults(_unavailable=f"`jaxspec {name}` is unavailable: {exc}")
+            p.add_argument("_ignored", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # report why, not its flags
     return parser
 
 

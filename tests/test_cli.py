@@ -54,6 +54,17 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
 
 
+def test_unavailable_command_reports_why_whatever_its_flags(monkeypatch, capsys):
+    """A subcommand whose module cannot be imported (optional parts missing) exits 2 with the import error, also
+    when given that command's flags (argparse once answered 'unrecognized arguments' and hid the reason)."""
+    from serving import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "generate", ("no_such_module_for_test", "add_arguments", "run", "help"))
+    assert cli.main(["generate", "hi", "--model", "tiny", "--temperature", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxspec: `jaxspec generate` is unavailable:") and "no_such_module_for_test" in err, err
+
+
 def test_unreadable_checkpoint(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf file")
