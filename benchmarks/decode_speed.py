@@ -12,6 +12,10 @@ Both engines decode the same prompt greedily in the same process, alternating, `
 token for token (--skip-hf leaves transformers out). `--prompt-lookup K` adds the same comparison with
 prompt lookup on both sides (jaxspec at fixed k = K, transformers with `prompt_lookup_num_tokens=K`) on a
 prompt whose answer copies the input (`benchmarks.spec_speed.COPY_PROMPT`).
+
+`--model PRESET --dtype bfloat16` times a random-weights preset instead (e.g. `qwen2.5-1.5b` on a GPU,
+where the floor shows what a verify of k + 1 tokens costs there): the prompt is then fixed token ids,
+since a preset has no tokenizer, and transformers is left out (`--skip-hf` is required).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from benchmarks.common import decode_tokens, machine
@@ -87,6 +93,9 @@ def side_by_side(engine: Engine, hf: HFDecoder | None, prompt: list[int], n_toke
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None,
+                        help="model spec or random-weights preset (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32", help="weight dtype (float32 on CPU; bfloat16 on GPU/TPU)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k-menu", type=lambda v: tuple(int(x) for x in v.split(",")), default=(0, 4),
@@ -102,8 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prompt-lookup {args.prompt_lookup} must be in --k-menu {args.k_menu}")
     enable_compilation_cache()
 
-    built = build_model(None)
-    prompt = built.tokenizer.encode(built.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    built = build_model(args.model, dtype=args.dtype)
+    if built.tokenizer is None:  # a random-weights preset: fixed ids, no transformers side, no copying prompt
+        if not args.skip_hf or args.prompt_lookup:
+            parser.error(f"--model {args.model} has no tokenizer: use --skip-hf and leave out --prompt-lookup")
+        prompt = [2 + (7 * i) % (built.model.config.vocab_size - 2) for i in range(40)]
+    else:
+        prompt = built.tokenizer.encode(built.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     proposer = build_proposer("ngram", built.model) if any(k > 0 for k in args.k_menu) else None
     engine = Engine(built.model, proposer, Menu(num_slots=1, max_len=max(args.windows), batch_buckets=(1,),
                                                 k_menu=args.k_menu, window_buckets=args.windows,
@@ -120,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     plain = side_by_side(engine, hf, prompt, args.tokens, 0, args.repeats)
     ours_s = plain["jaxspec_ms_per_token"] / 1e3
     result = {
+        "command": "python -m benchmarks.decode_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": built.name, "dtype": args.dtype, "devices": [str(d) for d in jax.devices()],
         "machine": machine(), "tokens": args.tokens, "prompt_tokens": len(prompt), "repeats": args.repeats,
         "weight_mb": weight_mb(engine), "load_before": load_before,
         "jaxspec_ms_per_token": ours_s * 1e3, "jaxspec_ms_per_token_all": plain["jaxspec_ms_per_token_all"],

