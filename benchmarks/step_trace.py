@@ -1,6 +1,7 @@
 """Where a compiled step's time goes, kernel by kernel, next to the bare chain of its own matmuls.
 
     PYTHONPATH=. python -m benchmarks.step_trace --k 0,4 --window 512 --out docs/results/step_trace.json
+    python -m benchmarks.step_trace --model qwen2.5-1.5b --dtype bfloat16 --k 0,4 --calls 10   (on a GPU)
 
 For each k: the default model's engine at B = 1 (prompt lookup for k > 0, one window bucket W = max_len),
 its compiled (1, k, W) step executable and the bare chain at T = k + 1 (`jaxspec/floor.py`) are each run
@@ -12,6 +13,9 @@ instruction of its program's optimised HLO and summed per (category, kernel kind
     attention      the other dot fusions and the window copies (dynamic slices of the cache)
     other          everything else (norms, RoPE, cache writes, residual adds, verify and state updates)
 
+Device kernels that match no instruction by name or by their `hlo_op` argument (library kernels on a
+GPU) are summed as `unmatched`. Each program's untraced wall time per call is measured too: on a GPU,
+kernel time well below the wall time means launches and the gaps between kernels are the cost.
 The trace adds a little time to every kernel: compare the two programs' totals in the same run, not
 their milliseconds with `decode_speed`. Record the load with the result (it is printed and saved).
 """
@@ -31,7 +35,7 @@ import jax
 from benchmarks.common import machine
 from jaxspec.build import build_model, build_proposer
 from jaxspec.engine import Engine, enable_compilation_cache
-from jaxspec.floor import bare_chain, load, step_call
+from jaxspec.floor import bare_chain, interleaved_medians, load, step_call
 from jaxspec.menu import Menu, StepKey
 from jaxspec.types import SamplingParams
 
@@ -58,20 +62,33 @@ def category(opcode: str, name: str, shape: str, t: int, weight_widths: set[int]
     return "other"
 
 
-def kernel_times(call, hlo: str, calls: int) -> dict[str, float]:
-    """Milliseconds per call of every ENTRY kernel of `hlo`, from a profiler trace of `calls` calls."""
+def kernel_times(call, hlo: str, calls: int) -> tuple[dict[str, float], float]:
+    """Milliseconds per call of every ENTRY kernel of `hlo`, from a profiler trace of `calls` calls, and the
+    milliseconds per call of device kernels the trace did not name after an instruction (on a GPU: library
+    kernels such as cuBLAS gemms, matched through their `hlo_op` argument when the trace gives one)."""
     kernels = entry_kernels(hlo)
     totals: collections.Counter = collections.Counter()
+    unmatched = 0.0
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(calls):
                 call()
         trace_file = next(Path(trace_dir).rglob("*.trace.json.gz"))
         events = json.loads(gzip.open(trace_file).read())
-    for event in events["traceEvents"] if isinstance(events, dict) else events:
-        if event.get("ph") == "X" and event.get("name") in kernels:
-            totals[event["name"]] += event.get("dur", 0) / 1e3  # µs -> ms
-    return {name: ms / calls for name, ms in totals.items()}
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    devices = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and "/device:" in str((e.get("args") or {}).get("name", ""))}  # GPU/TPU timelines, not host threads
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        name = event.get("name")
+        if name not in kernels:
+            name = (event.get("args") or {}).get("hlo_op", name)
+        if name in kernels:
+            totals[name] += event.get("dur", 0) / 1e3  # µs -> ms
+        elif event.get("pid") in devices:
+            unmatched += event.get("dur", 0) / 1e3
+    return {name: ms / calls for name, ms in totals.items()}, unmatched / calls
 
 
 def breakdown(per_kernel: dict[str, float], hlo: str, t: int, weight_widths: set[int]) -> list[dict]:
@@ -88,12 +105,12 @@ def breakdown(per_kernel: dict[str, float], hlo: str, t: int, weight_widths: set
     return sorted(rows.values(), key=lambda r: -r["ms"])
 
 
-def summary(rows: list[dict]) -> dict[str, float]:
+def summary(rows: list[dict], unmatched_ms: float = 0.0) -> dict[str, float]:
     out = collections.Counter()
     for r in rows:
         out[r["category"]] += r["ms"]
     parts = {c: round(out[c], 3) for c in ("weight matmul", "attention", "other")}
-    return {**parts, "total": round(sum(out.values()), 3)}
+    return {**parts, "unmatched": round(unmatched_ms, 3), "total": round(sum(out.values()) + unmatched_ms, 3)}
 
 
 def trace_step(model, k: int, window: int, calls: int) -> dict:
@@ -119,19 +136,23 @@ def trace_step(model, k: int, window: int, calls: int) -> dict:
     out = {"k": k, "W": window, "T": k + 1, "load_before": load()}
     for label, call, hlo in (("engine", step, engine.compiled_text(StepKey(1, k, window))),
                              ("bare", bare, bare_compiled.as_text())):
-        rows = breakdown(kernel_times(call, hlo, calls), hlo, k + 1, widths)
-        out[label] = {"summary": summary(rows), "kernels": rows}
+        per_kernel, unmatched = kernel_times(call, hlo, calls)
+        rows = breakdown(per_kernel, hlo, k + 1, widths)
+        out[label] = {"summary": summary(rows, unmatched), "kernels": rows}
+    # the calls' wall time, untraced, alternated: kernel time far below it means launches and gaps dominate
+    out["engine_wall_ms"], out["bare_wall_ms"] = (1e3 * s for s in interleaved_medians([step, bare], calls))
     out["load_after"] = load()
     return out
 
 
 def format_result(r: dict, top: int = 12) -> str:
     lines = [f"k = {r['k']}, W = {r['W']} (T = {r['T']}); {r['load_before']} -> {r['load_after'].split(' (')[0]}",
-             f"{'':8} {'weight matmul':>14} {'attention':>10} {'other':>8} {'total':>8}  (ms per call)"]
+             f"{'':8} {'weight matmul':>14} {'attention':>10} {'other':>8} {'unmatched':>10} {'total':>8} "
+             f"{'wall':>8}  (ms per call; wall untraced)"]
     for label in ("engine", "bare"):
         s = r[label]["summary"]
         lines.append(f"{label:8} {s['weight matmul']:>14.2f} {s['attention']:>10.2f} {s['other']:>8.2f} "
-                     f"{s['total']:>8.2f}")
+                     f"{s['unmatched']:>10.2f} {s['total']:>8.2f} {r[label + '_wall_ms']:>8.2f}")
     lines.append(f"engine kernels, slowest {top}:")
     lines += [f"  {x['ms']:7.3f} ms  {x['count']:4d}x  {x['category']:<14} {x['kind']:<32} {x['shape']}"
               for x in r["engine"]["kernels"][:top]]
@@ -144,17 +165,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="speculation lengths, comma-separated (k > 0 uses prompt lookup)")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--calls", type=int, default=20, help="traced calls of each program")
+    parser.add_argument("--model", default=None,
+                        help="model spec or random-weights preset (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32", help="weight dtype (float32 on CPU; bfloat16 on GPU/TPU)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
     enable_compilation_cache()
-    built = build_model(None)
+    built = build_model(args.model, dtype=args.dtype)
     results = []
     for k in args.k:
         results.append(trace_step(built.model, k, args.window, args.calls))
         print(format_result(results[-1]), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"machine": machine(), "model": built.name, "calls": args.calls,
+        args.out.write_text(json.dumps({"machine": machine(), "model": built.name, "dtype": args.dtype,
+                                        "devices": [str(d) for d in jax.devices()], "calls": args.calls,
                                         "results": results}, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
