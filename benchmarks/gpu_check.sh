@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check: what a GPU changes, first: the step against its own matmuls, the engine's tests, the benchmark.
+# GPU check: what a GPU changes: the step against its own matmuls, the goodput benchmark, the engine's tests.
 #
 #   benchmarks/gpu_check.sh "$OUT"          (≤ 9.5 minutes; no checkpoint files needed)
 #
@@ -12,8 +12,10 @@
 #      and W ∈ {512, 2048} against the bare chain of its own matmuls at T = k + 1 — what verifying costs here;
 #      then the k = 0 and k = 4 steps kernel by kernel (benchmarks/step_trace.py);
 #   2) the goodput benchmark (benchmarks/gpu_bench.py), NoisyProposer(ALPHA) over a truncated self-draft;
-#   3) the tests, the engine's own first (greedy equality, the distribution tests, trees, feature draft);
-#   4) with MESH=1, the mesh path and decode as a fraction of HBM bandwidth (benchmarks/mesh_bench.py).
+#   3) the tests, the engine's own first (the distribution tests, greedy equality, trees, feature draft);
+#   4) with MESH=1, the mesh path and decode as a fraction of HBM bandwidth (benchmarks/mesh_bench.py);
+#   5) with HOST=1, the host's work per step and per policy (benchmarks/host_overhead.py). Stages 4 and 5 do not
+#      fit the default run's 9.5 minutes: run them as a second call on the still-warm machine.
 set -u
 OUT="${1:-${OUT:-}}"
 if [ -z "$OUT" ]; then echo "usage: $0 OUT_DIR (or set \$OUT)" >&2; exit 2; fi
@@ -97,5 +99,13 @@ if [ "${MESH:-0}" = 1 ]; then
     > "$OUT/mesh_bench.log" 2>&1
   rc=$?; echo "mesh_bench ($MESHES on $NGPU GPUs) rc=$rc"; [ $rc -eq 0 ] || status=1
   tail -n 6 "$OUT/mesh_bench.log"
+fi
+# 5) with HOST=1, the host's work per step (benchmarks/host_overhead.py), ≤ 120 s: the executable, Engine.step and
+#    the scheduler loop under none / fixed:3 / goodput at B = 1 and 8, Qwen2.5-1.5B-shaped in bf16
+if [ "${HOST:-0}" = 1 ]; then
+  timeout "${HOST_LIMIT_S:-120}" "$PY" -m benchmarks.host_overhead --model "${FLOOR_MODEL:-qwen2.5-1.5b}" --dtype bfloat16 \
+    --batch 1,8 --repeats 50 --out "$OUT/host_overhead.json" > "$OUT/host_overhead.log" 2>&1
+  rc=$?; echo "host_overhead rc=$rc"; [ $rc -eq 0 ] || status=1
+  tail -n 10 "$OUT/host_overhead.log"
 fi
 exit $status
