@@ -61,12 +61,15 @@ def _emit(target, draft) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
 def emit_rows(engine: Engine, k: int, caps: tuple[int, ...], config: tuple[float, float, int]):
     """N rows of one step at k, all from CONTEXT: every slot prefilled alike (one seed, so one pending token),
     then each of N / slots rounds restores that state, gives every slot a fresh seed and steps once, slot s
-    capped at caps[s % len(caps)]. -> tokens [N, k+1], counts [N], caps [N], pending."""
+    capped at caps[s % len(caps)]. The draft's catch-up of the context runs once, before the snapshot: every
+    round starts with the draft's cache holding it. -> tokens [N, k+1], counts [N], caps [N], pending."""
     slots = engine.menu.num_slots
     temperature, top_p, top_k = config
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     pending = {engine.prefill(s, CONTEXT, params, seed=0) for s in range(slots)}  # one seed: one pending token
     assert len(pending) == 1
+    # the draft's lazy catch-up (one call per slot) runs once, into the snapshot, not again in every round
+    engine._catch_up(range(slots))
     snapshot, lengths = jax.tree.map(jnp.copy, engine.state), engine.lengths.copy()
     proposer_lengths = engine.proposer_lengths.copy()
     row_caps = np.asarray(caps)[np.arange(slots) % len(caps)]
