@@ -490,6 +490,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="shard directory to reuse (default: <work>/../data)")
     parser.add_argument("--prompts", type=int, default=640, help="training prompts (ShareGPT + HumanEval)")
     parser.add_argument("--code-prompts", type=int, default=32, help="of which HumanEval stubs")
+    parser.add_argument("--all-turns", action="store_true",
+                        help="a prompt from every user turn of a ShareGPT conversation, after the turns before it "
+                             "(default: first turns only)")
+    parser.add_argument("--sharegpt-mb", type=int, default=32,
+                        help="MB of the 125 MB ShareGPT file read for training prompts (more: more prompts)")
+    parser.add_argument("--save-prompts", type=Path, default=None, metavar="FILE.npz",
+                        help="write the training prompts (token ids) to FILE.npz and exit, for a machine without "
+                             "the data packages (an accelerator): --prompts-file reads them there")
+    parser.add_argument("--prompts-file", type=Path, default=None, metavar="FILE.npz",
+                        help="the training prompts from a --save-prompts file instead of ShareGPT and HumanEval")
     parser.add_argument("--rows", type=int, default=16, help="target generation batch")
     parser.add_argument("--prompt-len", type=int, default=112)
     parser.add_argument("--gen-len", type=int, default=128)
@@ -528,13 +538,31 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 
 def training_prompts(tokenizer, args: argparse.Namespace) -> list[list[int]]:
-    """The training prompts of `jaxspec distill` (both kinds): --prompts train-split chat turns and HumanEval stubs
-    (--code-prompts of them), at most --prompt-len tokens, shuffled by --seed."""
+    """The training prompts of `jaxspec distill` (both kinds), shuffled by --seed: --prompts of them, at most
+    --prompt-len tokens each, from --prompts-file, else train-split ShareGPT user turns (--all-turns, --sharegpt-mb)
+    and --code-prompts HumanEval stubs. Fewer than asked when the sources run out (printed)."""
     from jaxspec import distill_data as dd
 
-    n_code = min(args.code_prompts, args.prompts)
-    prompts = dd.chat_prompts(tokenizer, "train", args.prompts - n_code, args.prompt_len)
-    prompts += dd.code_prompts(tokenizer, n_code, args.prompt_len)
+    if args.prompts_file is not None:
+        try:
+            prompts = dd.load_prompt_ids(args.prompts_file, tokenizer.vocab_size)
+        except (OSError, KeyError, ValueError) as exc:
+            raise SystemExit(f"--prompts-file {args.prompts_file}: {exc}") from None
+        longest = max(map(len, prompts), default=0)
+        if longest > args.prompt_len:
+            raise SystemExit(f"{args.prompts_file} holds a prompt of {longest} tokens > --prompt-len {args.prompt_len}")
+        prompts = prompts[:args.prompts]
+    else:
+        n_code = min(args.code_prompts, args.prompts)
+        prompts = dd.chat_prompts(tokenizer, "train", args.prompts - n_code, args.prompt_len,
+                                  all_turns=args.all_turns, max_bytes=args.sharegpt_mb << 20)
+        prompts += dd.code_prompts(tokenizer, n_code, args.prompt_len)
+    if len(prompts) < args.prompts:
+        more = [] if args.prompts_file is not None else [
+            *(["raise --sharegpt-mb (at most 125)"] if args.sharegpt_mb < 125 else []), "raise --prompt-len",
+            *(["use --all-turns"] if not args.all_turns else [])]
+        print(f"{len(prompts)} training prompts of the {args.prompts} asked for: the sources ran out"
+              + (f" ({', '.join(more)})" if more else ""))
     rng = np.random.default_rng(args.seed)
     return [prompts[i] for i in rng.permutation(len(prompts))]
 
@@ -547,9 +575,32 @@ def _load_target(spec):
     return from_hf_state_dict(loaded.config, loaded.state_dict), loaded
 
 
+def prompt_flags(args: argparse.Namespace) -> str:
+    """The recipe's flags that choose the training prompts (for the command recorded with a draft)."""
+    flags = f" --prompt-len {args.prompt_len} --rows {args.rows}"
+    if args.prompts_file is not None:
+        return flags + f" --prompts-file {args.prompts_file}"
+    return flags + (" --all-turns" if args.all_turns else "") + (
+        f" --sharegpt-mb {args.sharegpt_mb}" if args.sharegpt_mb != 32 else "")
+
+
+def save_training_prompts(args: argparse.Namespace) -> int:
+    """--save-prompts: the training prompts as token ids in a file, then exit (nothing generated or trained)."""
+    from jaxspec import distill_data as dd
+    from models.loading.registry import load_model
+
+    tokenizer = load_model(args.model, cache_dir=ARTIFACTS / "model_cache").tokenizer
+    prompts = training_prompts(tokenizer, args)
+    dd.save_prompt_ids(args.save_prompts, prompts, tokenizer.vocab_size)
+    print(f"wrote {len(prompts)} prompts ({sum(map(len, prompts))} tokens) to {args.save_prompts}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from jaxspec import distill_data as dd
 
+    if args.save_prompts is not None:
+        return save_training_prompts(args)
     if args.kind == "feature":
         from jaxspec import feature_distill
 
@@ -600,7 +651,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {"recipe": {"command": f"jaxspec distill --arch {args.arch} --steps {args.steps} --batch {args.batch} "
                                   f"--lr {args.lr} --prompts {args.prompts} --gen-len {args.gen_len} "
                                   f"--top-k {args.top_k} --data-minutes {args.data_minutes} "
-                                  f"--tf-minutes {args.tf_minutes}",
+                                  f"--tf-minutes {args.tf_minutes}" + prompt_flags(args),
                        "train_sequences": int(len(train["tokens"])),
                        "onpolicy_shards": len(shards) - (heldout is not None),
                        "tf_shards": len(train_shards) - len(shards) + (heldout is not None),

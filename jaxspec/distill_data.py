@@ -71,30 +71,58 @@ def is_held_out(conv_id: str) -> bool:
     return zlib.crc32(conv_id.encode()) % 10 == 0
 
 
-def chat_prompts(tokenizer, split: str, n: int, max_prompt_tokens: int = 112,
-                 min_chars: int = 16) -> list[list[int]]:
-    """First user turns of ShareGPT conversations, chat-templated and tokenized.
+def chat_prompts(tokenizer, split: str, n: int, max_prompt_tokens: int = 112, min_chars: int = 16, *,
+                 all_turns: bool = False, max_bytes: int = 32 << 20) -> list[list[int]]:
+    """User turns of ShareGPT conversations, chat-templated and tokenized.
 
-    split: "train" or "heldout". Prompts longer than `max_prompt_tokens` are skipped.
+    split: "train" or "heldout" (by conversation id). By default the first user turn of each conversation;
+    `all_turns`: every user turn, after the conversation before it (its user and assistant turns) as context.
+    A prompt longer than `max_prompt_tokens` ends its conversation (later turns only grow). `max_bytes`: how
+    much of the ShareGPT file is read (the file is 125 MB; the default 32 MB is what the held-out studies read).
     """
+    roles = {"human": "user", "gpt": "assistant"}
     out = []
-    for conv in iter_sharegpt():
+    for conv in iter_sharegpt(max_bytes):
         turns = conv.get("conversations") or []
         if not turns or turns[0].get("from") != "human":
             continue
         if is_held_out(str(conv.get("id", ""))) != (split == "heldout"):
             continue
-        text = (turns[0].get("value") or "").strip()
-        if len(text) < min_chars:
-            continue
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),
-                               add_special_tokens=False)
-        if len(ids) > max_prompt_tokens:
-            continue
-        out.append(ids)
-        if len(out) >= n:
-            break
+        messages = []
+        for turn in turns:
+            role, text = roles.get(turn.get("from")), (turn.get("value") or "").strip()
+            if role is None or (role == "assistant" and not text):
+                break  # a system turn or an empty answer: the rest is no clean context
+            messages.append({"role": role, "content": text})
+            if role != "user":
+                continue
+            if len(text) >= min_chars:
+                ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+                if len(ids) > max_prompt_tokens:
+                    break
+                out.append(ids)
+                if len(out) >= n:
+                    return out
+            if not all_turns:
+                break
     return out
+
+
+def save_prompt_ids(path: str | Path, prompts: list[list[int]], vocab_size: int) -> None:
+    """Prompts as token ids in one compressed .npz: ids [Σ lengths] concatenated, offsets [n + 1]."""
+    lengths = np.asarray([len(p) for p in prompts], np.int64)
+    ids = np.concatenate([np.asarray(p, np.int32) for p in prompts]) if prompts else np.zeros((0,), np.int32)
+    np.savez_compressed(path, ids=ids, offsets=np.concatenate([[0], np.cumsum(lengths)]),
+                        vocab_size=np.int64(vocab_size))
+
+
+def load_prompt_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
+    """The prompts of a `save_prompt_ids` file; ValueError if they were made for another vocabulary."""
+    with np.load(path) as f:
+        ids, offsets, saved_vocab = f["ids"], f["offsets"], int(f["vocab_size"])
+    if saved_vocab != vocab_size:
+        raise ValueError(f"{path}: prompts for a vocabulary of {saved_vocab} ids, the target has {vocab_size}")
+    return [ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
 
 
 def code_prompts(tokenizer, n: int, max_prompt_tokens: int = 112, offset: int = 0) -> list[list[int]]:

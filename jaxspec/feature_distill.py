@@ -181,7 +181,7 @@ def heldout_agreement(trainer, data: dict[str, np.ndarray], max_rows: int = 64) 
 def run(args: argparse.Namespace) -> int:
     """The recipe above with the flags of `jaxspec distill` (jaxspec.distill.add_arguments)."""
     from jaxspec import distill_data as dd
-    from jaxspec.distill import ARTIFACTS, TrainConfig, Trainer, _load_target, training_prompts
+    from jaxspec.distill import ARTIFACTS, TrainConfig, Trainer, _load_target, prompt_flags, training_prompts
 
     t_start = time.time()
     arch = FeatureArch(num_layers=args.feature_layers, vocab_keep=args.vocab_keep or FeatureArch.vocab_keep,
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
                                   f"--tf-sequences {args.tf_sequences} --ttt-passes {arch.passes} "
                                   f"--reg-weight {arch.reg_weight} --feature-layers {arch.num_layers}"
                                   + (f" --feature-fuse {','.join(map(str, feature_layers))}" if arch.feature_layers
-                                     else ""),
+                                     else "") + prompt_flags(args),
                        "train_sequences": int(len(train["tokens"])), "onpolicy_shards": len(shards) - 1,
                        "tf_shards": len(train_shards) - len(shards) + 1, "train_tokens": int(train["mask"].sum()),
                        "data_seconds": round(t_data), "total_seconds": round(time.time() - t_start)},
