@@ -7,6 +7,7 @@
     heuristic             HF-style per-request +2 / −1
     goodput               SmartSpec: argmax_k Σ E_i(k) / T(B, k)      (needs cost_model=)
     goodput-per-request   the same with per-row k_i ≤ K               (needs cost_model=)
+    goodput:positional    per-position acceptance rates (goodput:single: one per request; else the default)
 
 Dependencies (keyword arguments of `make_policy`):
     cost_model: CostModel           required by the goodput policies
@@ -92,4 +93,6 @@ def make_policy(spec: str | PolicySpec, **deps) -> Policy:
     if acceptance is None:
         acceptance = AcceptanceTracker(defaults.acceptance)
     cls = GoodputPolicy if spec.name == "goodput" else GoodputPerRequestPolicy
-    return cls(cost, acceptance, defaults.goodput)
+    config = defaults.goodput if spec.positional is None else dataclasses.replace(defaults.goodput,
+                                                                                 positional=spec.positional)
+    return cls(cost, acceptance, config)

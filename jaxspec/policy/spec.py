@@ -6,6 +6,8 @@
     heuristic             HF-style per-request +2 / -1
     goodput               SmartSpec over a device cost model
     goodput-per-request   the same with per-row k
+    goodput:positional    either goodput policy with per-position acceptance rates (goodput:single: one rate
+                          per request); without the suffix, as jaxspec/configs/policy.yaml says
 
 Every policy but `none` needs a proposer; the goodput ones need a cost model (a profiled engine).
 `jaxspec.policy.registry.make_policy` builds the Policy a spec names.
@@ -19,19 +21,23 @@ from jaxspec.policy.table import parse_table
 
 NAMES = ("none", "fixed", "table", "heuristic", "goodput", "goodput-per-request")
 GOODPUT = ("goodput", "goodput-per-request")
-FORMS = ("none", "fixed:K", "table", "table:N=K,...", "heuristic", "goodput", "goodput-per-request")
-HELP = "none | fixed:K | table[:N=K,...] | heuristic | goodput | goodput-per-request"
+RATES = ("positional", "single")  # the goodput policies' acceptance rates: per position, or one per request
+FORMS = ("none", "fixed:K", "table", "table:N=K,...", "heuristic", "goodput[:positional|:single]",
+         "goodput-per-request[:positional|:single]")
+HELP = "none | fixed:K | table[:N=K,...] | heuristic | goodput[:positional|:single] | goodput-per-request[:...]"
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicySpec:
     """A parsed policy spec. name: one of NAMES; arg: the text after ':' ('' when none);
-    k: fixed:K's K; table: table:N=K,...'s entries as sorted (N, K) pairs (None: the defaults)."""
+    k: fixed:K's K; table: table:N=K,...'s entries as sorted (N, K) pairs (None: the defaults);
+    positional: a goodput policy's per-position rates (True), one rate per request (False), or the default (None)."""
 
     name: str
     arg: str = ""
     k: int | None = None
     table: tuple[tuple[int, int], ...] | None = None
+    positional: bool | None = None
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
@@ -48,6 +54,10 @@ class PolicySpec:
             return cls(name, arg, k=int(arg))
         if name == "table" and sep:
             return cls(name, arg, table=tuple(sorted(parse_table(arg).items())))
+        if name in GOODPUT and sep:
+            if arg not in RATES:
+                raise ValueError(f"bad policy {spec!r}: expected {name}:positional or {name}:single")
+            return cls(name, arg, positional=arg == "positional")
         if sep:
             raise ValueError(f"bad policy {spec!r}: {name!r} takes no argument; expected one of: {', '.join(FORMS)}")
         return cls(name)
@@ -82,4 +92,4 @@ class PolicySpec:
         return f"{self.name}:{self.arg}" if self.arg else self.name
 
 
-__all__ = ["FORMS", "GOODPUT", "HELP", "NAMES", "PolicySpec"]
+__all__ = ["FORMS", "GOODPUT", "HELP", "NAMES", "RATES", "PolicySpec"]

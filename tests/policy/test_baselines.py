@@ -118,6 +118,10 @@ def test_registry_builds_every_spec():
     assert isinstance(make_policy("heuristic"), HeuristicPolicy)
     assert type(make_policy("goodput", cost_model=cm)) is GoodputPolicy
     assert type(make_policy("goodput-per-request", cost_model=cm)) is GoodputPerRequestPolicy
+    default = load_defaults().goodput.positional
+    assert make_policy("goodput", cost_model=cm).config.positional is default
+    assert make_policy("goodput:positional", cost_model=cm).config.positional is True
+    assert make_policy("goodput-per-request:single", cost_model=cm).config.positional is False
     # deps a policy does not use are fine (the scheduler passes the same ones to every spec)
     assert isinstance(make_policy("fixed:2", cost_model=cm), FixedPolicy)
 
@@ -139,7 +143,8 @@ def test_policy_spec_says_what_a_policy_needs():
     cases = {  # text: (needs_cost_model, needs_proposer, k values compiled)
         "none": (False, False, (0,)), "fixed:2": (False, True, (2,)), "table": (False, True, menu),
         "table:1=4,4=2": (False, True, menu), "heuristic": (False, True, menu), "goodput": (True, True, menu),
-        "goodput-per-request": (True, True, menu),
+        "goodput-per-request": (True, True, menu), "goodput:positional": (True, True, menu),
+        "goodput-per-request:single": (True, True, menu),
     }
     for text, (cost, proposer, ks) in cases.items():
         spec = PolicySpec.parse(f" {text} ")
@@ -150,8 +155,11 @@ def test_policy_spec_says_what_a_policy_needs():
     assert PolicySpec.default_for("none") == PolicySpec.parse("none")
     with pytest.raises(ValueError, match=r"fixed:3 is not in the menu's k values \(0, 1, 2, 4\)"):
         PolicySpec.parse("fixed:3").k_values(menu)
-    for bad, message in (("fixed", "fixed:K"), ("fixed:-1", "fixed:K"), ("goodput:3", "takes no argument"),
-                         ("table:1", "BATCH=K"), ("bogus", "unknown policy 'bogus'"), ("", "unknown policy")):
+    assert PolicySpec.parse("goodput:positional").positional is True
+    assert PolicySpec.parse("goodput:single").positional is False and PolicySpec.parse("goodput").positional is None
+    for bad, message in (("fixed", "fixed:K"), ("fixed:-1", "fixed:K"),
+                         ("goodput:3", "goodput:positional or goodput:single"), ("table:1", "BATCH=K"),
+                         ("bogus", "unknown policy 'bogus'"), ("", "unknown policy")):
         with pytest.raises(ValueError, match=message):
             PolicySpec.parse(bad)
 
