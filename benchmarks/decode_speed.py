@@ -6,7 +6,9 @@ The floor is the bare matmul chain of the model's own serving weights (`jaxspec.
 same matmuls at the same shapes over the same placed arrays, nothing else, jitted, at T = k + 1.
 The engine's compiled step executable is timed alone at every (k, W) of the menu at B = 1 next to
 it, in the same process, and the table reports engine / bare (with the machine load before and
-after each row: numbers taken above a load of about 1 on a 2-core machine are distorted).
+after each row: numbers taken above a load of about 1 on a 2-core machine are distorted). `--xla-form`
+adds a second engine whose attention is compiled in the XLA form (`models.cache_attention.xla_form_only`),
+alternated with the first: what the in-place cache-attention kernel buys on XLA:CPU.
 Both engines decode the same prompt greedily in the same process, alternating, `--repeats` times
 (medians reported, every repeat kept); prefill is excluded on both sides; the outputs are compared
 token for token (--skip-hf leaves transformers out). `--prompt-lookup K` adds the same comparison with
@@ -36,6 +38,7 @@ from jaxspec.build import build_model, build_proposer
 from jaxspec.engine import Engine, enable_compilation_cache
 from jaxspec.floor import format_growth, format_rows, load, step_vs_bare, weight_mb, window_growth
 from jaxspec.menu import Menu
+from models.cache_attention import xla_form_only
 from models.loading import resolve_model
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
@@ -105,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers comparison")
     parser.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
                         help="also compare prompt lookup of K tokens on both sides on a copying prompt (K in --k-menu)")
+    parser.add_argument("--xla-form", action="store_true",
+                        help="also time each step compiled with attention in the XLA form (a second engine, "
+                             "alternated): what the in-place cache-attention kernel buys on XLA:CPU")
     parser.add_argument("--out", type=Path, default=Path("docs/results/decode_speed.json"))
     args = parser.parse_args(argv)
     if args.prompt_lookup and args.prompt_lookup not in args.k_menu:
@@ -119,12 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompt = built.tokenizer.encode(built.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
     proposer = build_proposer("ngram", built.model) if any(k > 0 for k in args.k_menu) else None
-    engine = Engine(built.model, proposer, Menu(num_slots=1, max_len=max(args.windows), batch_buckets=(1,),
-                                                k_menu=args.k_menu, window_buckets=args.windows,
-                                                prefill_buckets=(64,)))
+    menu = Menu(num_slots=1, max_len=max(args.windows), batch_buckets=(1,), k_menu=args.k_menu,
+                window_buckets=args.windows, prefill_buckets=(64,))
+    engine = Engine(built.model, proposer, menu)
     engine.warmup(progress=False)
+    reference = None
+    if args.xla_form:
+        with xla_form_only():  # traced and compiled in warm-up
+            reference = Engine(built.model, build_proposer("ngram", built.model) if proposer else None, menu)
+            reference.warmup(progress=False)
     load_before = load()
-    rows = step_vs_bare(engine, repeats=args.step_repeats)
+    rows = step_vs_bare(engine, repeats=args.step_repeats, reference=reference)
+    del reference
     growth = window_growth(engine, rows)
     print(format_rows(rows))
     print(format_growth(growth))

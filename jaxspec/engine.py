@@ -41,6 +41,7 @@ from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.proposers.base import NoProposer, Proposer, StepContext, empty_proposals
 from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, StepResult
 from jaxspec.verify import RESIDUAL_KEY, verify, verify_tree
+from models.cache_attention import reads_cache_in_place
 from models.kv_cache import init_cache
 from models.llama import Llama, StepInputs, chain_inputs, serving_split
 from models.sharding import Placement, cache_spec, padded_slots, plan_layout, replicated_layout
@@ -147,6 +148,9 @@ class Engine:
                                                                  jax.eval_shape(self._fresh_state))
         self._init_state = jax.jit(self._fresh_state, out_shardings=self._state_shardings)
         self.state = self._init_state()
+        # decode steps read the cache in place on XLA:CPU (models/cache_attention.py); decided here as it will
+        # be when the steps are traced (inside `xla_form_only` both say 'xla')
+        self.attention = "cache-kernel" if reads_cache_in_place(self.state.cache.k[0], 1) else "xla"
 
     # --- state ---------------------------------------------------------------------
 

@@ -38,6 +38,8 @@ class EngineAPI(Protocol):
     proposer_name:  "none", "ngram", "draft:<draft model>", ...; names the cost profile.
     dtype:          the weights' and KV cache's dtype ('float32', 'bfloat16'); names the cost profile.
     mesh_spec:      the device mesh it runs on (jaxspec.mesh.MeshSpec); names the cost profile.
+    attention:      how its steps attend: 'cache-kernel' (XLA:CPU, reading the cache in place) or 'xla';
+                    names the cost profile.
     """
 
     menu: Menu
@@ -47,6 +49,7 @@ class EngineAPI(Protocol):
     proposer_name: str
     dtype: str
     mesh_spec: MeshSpec
+    attention: str
 
     def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True) -> int:
         """Make every shape of the menu (or `keys`) ready; returns how many were built."""

@@ -50,6 +50,7 @@ class FakeEngine:
         self.proposer_name = proposer_name
         self.dtype = dtype
         self.mesh_spec = MeshSpec()  # counts on the host: no devices
+        self.attention = "xla"  # no attention at all; the profile key's default
         self.accept = accept
         self.tracks_context = tracks_context
         self.in_step_catch_up = in_step_catch_up

@@ -93,25 +93,34 @@ def step_call(engine, k: int, window: int):
     return call
 
 
-def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8) -> list[dict]:
+def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8, reference=None) -> list[dict]:
     """Rows {k, W, T, engine_ms, bare_ms, ratio, load_before, load_after} for every (k, W) of the menu at B = 1.
 
     The engine's step and the bare chain at T = k + 1 are called alternately, `repeats` times each.
     The slot is prefilled with `prompt_len` tokens; cost depends only on the static shape, and
-    writes past max_len are dropped, so the length the steps reach does not matter.
+    writes past max_len are dropped, so the length the steps reach does not matter. `reference`, an
+    engine with the same menu (one compiled under `models.cache_attention.xla_form_only`), is called in
+    the same alternation and adds {reference_ms, reference_ratio} to each row.
     """
-    engine.warmup(progress=False)
-    engine.reset()
-    engine.prefill(0, [2 + i % 7 for i in range(prompt_len)], SamplingParams(temperature=0.0))
+    engines = [engine] if reference is None else [engine, reference]
+    for e in engines:
+        e.warmup(progress=False)
+        e.reset()
+        e.prefill(0, [2 + i % 7 for i in range(prompt_len)], SamplingParams(temperature=0.0))
     bare = {k: bare_call(engine, k + 1) for k in engine.menu.k_menu}
     rows = []
     for k in engine.menu.k_menu:
         for window in engine.menu.window_buckets:
             before = load()
-            step_s, bare_s = interleaved_medians([step_call(engine, k, window), bare[k]], repeats)
-            rows.append({"k": k, "W": window, "T": k + 1, "engine_ms": step_s * 1e3, "bare_ms": bare_s * 1e3,
-                         "ratio": step_s / bare_s, "load_before": before, "load_after": load()})
-    engine.reset()
+            times = interleaved_medians([bare[k]] + [step_call(e, k, window) for e in engines], repeats)
+            bare_s, step_s = times[0], times[1]
+            row = {"k": k, "W": window, "T": k + 1, "engine_ms": step_s * 1e3, "bare_ms": bare_s * 1e3,
+                   "ratio": step_s / bare_s}
+            if reference is not None:
+                row.update(reference_ms=times[2] * 1e3, reference_ratio=times[2] / bare_s)
+            rows.append(row | {"load_before": before, "load_after": load()})
+    for e in engines:
+        e.reset()
     return rows
 
 
@@ -151,7 +160,10 @@ def weight_mb(engine) -> float:
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'k':>3} {'W':>5} {'T':>3} {'engine ms':>10} {'bare ms':>9} {'ratio':>6}  load"]
-    lines += [f"{r['k']:>3} {r['W']:>5} {r['T']:>3} {r['engine_ms']:>10.2f} {r['bare_ms']:>9.2f} {r['ratio']:>6.2f}  "
-              f"{r['load_before']} -> {r['load_after'].split(' (')[0]}" for r in rows]
+    ref = "reference_ms" in rows[0]
+    lines = [f"{'k':>3} {'W':>5} {'T':>3} {'engine ms':>10} {'bare ms':>9} {'ratio':>6}"
+             + (f" {'XLA-form ms':>12} {'ratio':>6}" if ref else "") + "  load"]
+    lines += [f"{r['k']:>3} {r['W']:>5} {r['T']:>3} {r['engine_ms']:>10.2f} {r['bare_ms']:>9.2f} {r['ratio']:>6.2f}"
+              + (f" {r['reference_ms']:>12.2f} {r['reference_ratio']:>6.2f}" if ref else "")
+              + f"  {r['load_before']} -> {r['load_after'].split(' (')[0]}" for r in rows]
     return "\n".join(lines)

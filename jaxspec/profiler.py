@@ -59,7 +59,7 @@ def profile_key(engine, kind: str | None = None) -> ProfileKey:
     trees = "".join(f"+tree{t}" for t in c.tree_envelopes)
     return ProfileKey(device_kind=kind or device_kind(), model=engine.model_name, draft=engine.proposer_name + trees,
                       batch_buckets=c.batch_buckets, k_menu=c.k_menu, window_buckets=c.window_buckets,
-                      dtype=engine.dtype, mesh=str(engine.mesh_spec))
+                      dtype=engine.dtype, mesh=str(engine.mesh_spec), attention=engine.attention)
 
 
 def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int = 5, progress: bool = True, *,

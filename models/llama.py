@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
+from models.cache_attention import cache_attention, reads_cache_in_place
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.sharding import Placement, TensorParallelLayout
@@ -457,8 +458,11 @@ class Llama(nnx.Module):
             stacked = self._layer_params()
             layers = tuple({name: w[i] for name, w in stacked.items()} for i in range(self.config.num_layers))
 
-        # few kv heads on an unsplit layout (P = 1) on XLA:CPU, where it was measured faster (see `attention`);
-        # GPUs and TPUs keep the grouped einsum (their attention is bandwidth-bound, G times the flops buys nothing)
+        # XLA:CPU, one device, fp32: a kernel that reads each row's window in place (models/cache_attention.py);
+        # otherwise the XLA form over the window: few kv heads on an unsplit layout (P = 1) on XLA:CPU contract
+        # in the cache layout, where that was measured faster (see `attention`); GPUs and TPUs keep the grouped
+        # einsum (their attention reads the window in place and is bandwidth-bound)
+        in_place = reads_cache_in_place(cache.k[0], t)
         groups = layers[0]["wqkv"].shape[1] if "wqkv" in layers[0] else 1
         block_diagonal = (groups == 1 and cache.k[0].shape[2] <= BLOCK_DIAGONAL_MAX_KV_HEADS
                           and jax.default_backend() == "cpu")
@@ -469,9 +473,11 @@ class Llama(nnx.Module):
             # ck[slot_b, write_pos[b, t]] = k[b, t]: [B, T, G, H] updates into [S+1, M, G, H]
             ck = ks[index].at[slots, write_pos].set(k.astype(ks[index].dtype), mode="drop")
             cv = vs[index].at[slots, write_pos].set(v.astype(vs[index].dtype), mode="drop")
-            kw, vw = ck[inputs.slot_ids, :window], cv[inputs.slot_ids, :window]  # [B, W, G, H]
             ks = ks[:index] + (ck,) + ks[index + 1:]
             vs = vs[:index] + (cv,) + vs[index + 1:]
+            if in_place:  # out: [B, T, N, H] from positions [0, W) of each row's slot, read where they lie
+                return cache_attention(q, ck, cv, inputs.slot_ids, mask), (ks, vs)
+            kw, vw = ck[inputs.slot_ids, :window], cv[inputs.slot_ids, :window]  # [B, W, G, H]
             return attention(q, kw, vw, mask, block_diagonal), (ks, vs)
 
         x = self.embed_tokens(inputs.tokens) if embeds is None else embeds  # [B, T, D]

@@ -73,7 +73,8 @@ class CostModelError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ProfileKey:
     """What a profile is valid for: device kind, model, draft (or proposer), the menu and the dtype of
-    weights and KV cache (a bfloat16 step costs differently from a float32 one) and the device mesh."""
+    weights and KV cache (a bfloat16 step costs differently from a float32 one), the device mesh and how
+    the steps attend (`EngineAPI.attention`: the XLA:CPU cache kernel changes what a window costs)."""
 
     device_kind: str
     model: str
@@ -83,6 +84,7 @@ class ProfileKey:
     window_buckets: tuple[int, ...]
     dtype: str = "float32"  # profiles written before this field were all float32
     mesh: str = "data=1,model=1"  # jaxspec.mesh.MeshSpec; profiles written before this field were unsharded
+    attention: str = "xla"  # EngineAPI.attention; profiles written before this field attended in the XLA form
 
     def __post_init__(self):
         for name in ("batch_buckets", "k_menu", "window_buckets"):
@@ -91,7 +93,8 @@ class ProfileKey:
     def filename(self) -> str:
         """`<device>__<model>__<dtype>__<draft>__<menu hash>.json`, filesystem-safe."""
         menu = json.dumps([self.batch_buckets, self.k_menu, self.window_buckets]
-                          + ([self.mesh] if self.mesh != "data=1,model=1" else []))
+                          + ([self.mesh] if self.mesh != "data=1,model=1" else [])
+                          + ([self.attention] if self.attention != "xla" else []))
         digest = hashlib.sha256(menu.encode()).hexdigest()[:10]
         safe = lambda s: re.sub(r"[^A-Za-z0-9._-]+", "-", s).strip("-") or "none"  # noqa: E731
         return f"{safe(self.device_kind)}__{safe(self.model)}__{safe(self.dtype)}__{safe(self.draft)}__{digest}.json"

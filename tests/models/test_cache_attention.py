@@ -1,0 +1,104 @@
+"""The XLA:CPU cache-attention kernel (models/cache_attention.py): same result as the XLA form, each query
+row independent of the rest of the call, bad slot ids refused, and used exactly where it applies."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from jaxspec.engine import Engine
+from jaxspec.menu import Menu, StepKey
+from models.cache_attention import MAX_STEP_TOKENS, TARGET, cache_attention, reads_cache_in_place, xla_form_only
+from models.config import TINY
+from models.llama import attention
+from tests.conftest import decode, random_prompts
+
+S1, M = 5, 96  # cache slots (+ scratch) and positions
+
+
+def _case(b: int, t: int, w: int, n: int, g: int, h: int, mask_kind: str, seed: int = 0):
+    """q [B, T, N, H], caches [S+1, M, G, H], slot ids [B], mask [B, T, W] of the named kind."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, t, n, h), np.float32))
+    k = jnp.asarray(rng.standard_normal((S1, M, g, h), np.float32))
+    v = jnp.asarray(rng.standard_normal((S1, M, g, h), np.float32))
+    slots = jnp.asarray(rng.permutation(S1)[:b], jnp.int32)
+    if mask_kind == "causal":  # history up to a per-row start, then causal over the T new tokens
+        start = rng.integers(0, w - t + 1, size=b)
+        mask = np.arange(w)[None, None, :] <= start[:, None, None] + np.arange(t)[None, :, None]
+    else:  # arbitrary (a token tree's), with one query that sees nothing
+        mask = rng.random((b, t, w)) < 0.5
+        mask[0, 0] = False
+    return q, k, v, slots, jnp.asarray(mask)
+
+
+def _xla_form(q, k, v, slots, mask):
+    w = mask.shape[2]
+    return attention(q, k[slots, :w], v[slots, :w], mask)  # [B, T, N, H]
+
+
+@pytest.mark.parametrize("b,t,w,n,g,h", [
+    (1, 1, 64, 9, 3, 64),     # decode, SmolLM2's heads
+    (3, 9, 96, 9, 3, 64),     # a verify of 8 proposals, three rows
+    (2, 5, 48, 4, 4, 128),    # R = 1, Qwen-sized head dim
+    (2, 3, 40, 6, 2, 24),     # a head dim the kernel takes at run time (16 + 8)
+])
+@pytest.mark.parametrize("mask_kind", ["causal", "arbitrary"])
+def test_kernel_equals_the_xla_form(b, t, w, n, g, h, mask_kind):
+    args = _case(b, t, w, n, g, h, mask_kind)
+    got = np.asarray(jax.jit(cache_attention)(*args))
+    want = np.asarray(jax.jit(_xla_form)(*args))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_each_query_row_is_independent_of_the_rest_of_the_call():
+    """A row's output is bit for bit the same computed alone or in a batch of rows and tokens (what a
+    query sees, not how the call is split over threads, decides it)."""
+    q, k, v, slots, mask = _case(3, 9, 96, 9, 3, 64, "causal", seed=3)
+    together = np.asarray(jax.jit(cache_attention)(q, k, v, slots, mask))
+    for row in range(3):
+        for t in (0, 8):
+            alone = jax.jit(cache_attention)(q[row:row + 1, t:t + 1], k, v, slots[row:row + 1],
+                                             mask[row:row + 1, t:t + 1])
+            np.testing.assert_array_equal(np.asarray(alone)[0, 0], together[row, t])
+
+
+def test_a_slot_id_outside_the_cache_is_an_error():
+    q, k, v, slots, mask = _case(1, 1, 32, 9, 3, 64, "causal")
+    with pytest.raises(Exception, match="slot id 7 outside the cache"):
+        jax.block_until_ready(jax.jit(cache_attention)(q, k, v, jnp.array([7], jnp.int32), mask))
+
+
+def test_used_exactly_where_it_applies():
+    cache = jnp.zeros((S1, M, 3, 64), jnp.float32)
+    assert reads_cache_in_place(cache, 1) and reads_cache_in_place(cache, MAX_STEP_TOKENS)
+    assert not reads_cache_in_place(cache, MAX_STEP_TOKENS + 1)  # a prefill chunk: XLA's dot
+    assert not reads_cache_in_place(cache.astype(jnp.bfloat16), 1)
+    with xla_form_only():
+        assert not reads_cache_in_place(cache, 1)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    split = jax.device_put(jnp.zeros((4, M, 3, 64), jnp.float32), NamedSharding(mesh, PS("data")))
+    seen = []
+    jax.jit(lambda c: seen.append(reads_cache_in_place(c, 1)) or c)(split)
+    assert seen == [False]  # a cache split over devices keeps the XLA form
+
+
+def test_an_engine_with_the_kernel_decodes_as_one_with_the_xla_form(tiny_model):
+    menu = Menu(num_slots=4, max_len=96, batch_buckets=(4,), k_menu=(0,), window_buckets=(96,), prefill_buckets=(32,))
+    prompts = random_prompts((5, 30, 12, 21), TINY.vocab_size, seed=4)
+    engine = Engine(tiny_model, None, menu)
+    engine.warmup(progress=False)
+    with xla_form_only():  # the executables are traced in warm-up
+        reference = Engine(tiny_model, None, menu)
+        reference.warmup(progress=False)
+    assert (engine.attention, reference.attention) == ("cache-kernel", "xla")  # their cost profiles differ
+    step = StepKey(4, 0, 96)
+    assert engine._executable(step).as_text().count(TARGET) == TINY.num_layers  # one call per layer
+    assert reference._executable(step).as_text().count(TARGET) == 0
+    with_kernel, _ = decode(engine, prompts, 0, 24)
+    with_xla_form, _ = decode(reference, prompts, 0, 24)
+    assert with_kernel == with_xla_form
