@@ -18,6 +18,7 @@ It prefills slot 0 with a dummy prompt and resets the engine at the end: run it 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -59,13 +60,19 @@ def bare_chain(engine, t: int):
     return jax.jit(chain), (x, mats, head)
 
 
-def interleaved_medians(calls, repeats: int) -> list[float]:
-    """Median seconds of each call, the calls alternated repeat by repeat (drift hits them alike)."""
-    for call in calls:
+def interleaved_medians(calls, repeats: int, prepares=None) -> list[float]:
+    """Median seconds of each call, the calls alternated repeat by repeat (drift hits them alike).
+    `prepares`, one callable or None per call, runs untimed before every run of its call."""
+    prepares = prepares or [None] * len(calls)
+    for call, prepare in zip(calls, prepares, strict=True):
+        if prepare:
+            prepare()
         call()  # untimed first run
     times = [[] for _ in calls]
     for _ in range(repeats):
-        for call, record in zip(calls, times, strict=True):
+        for call, prepare, record in zip(calls, prepares, times, strict=True):
+            if prepare:
+                prepare()
             t0 = time.perf_counter()
             call()
             record.append(time.perf_counter() - t0)
@@ -93,12 +100,28 @@ def step_call(engine, k: int, window: int):
     return call
 
 
+def hold_context(engine, length: int):
+    """A no-argument call that sets slot 0's committed length back to `length` (untimed, before each step):
+    with length = W - (k + 1) every step at window W attends its whole window. The cached-attention kernel
+    (models/cache_attention.py) reads only the positions a row holds, so its cost follows the context;
+    a full window is the most a step in that bucket can cost."""
+    lengths = np.asarray(engine.state.cache.lengths).copy()  # [S+1]
+    lengths[0] = length
+
+    def call():
+        cache = dataclasses.replace(engine.state.cache, lengths=jnp.asarray(lengths))
+        engine.state = dataclasses.replace(engine.state, cache=cache)
+
+    return call
+
+
 def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8, reference=None) -> list[dict]:
     """Rows {k, W, T, engine_ms, bare_ms, ratio, load_before, load_after} for every (k, W) of the menu at B = 1.
 
     The engine's step and the bare chain at T = k + 1 are called alternately, `repeats` times each.
-    The slot is prefilled with `prompt_len` tokens; cost depends only on the static shape, and
-    writes past max_len are dropped, so the length the steps reach does not matter. `reference`, an
+    Slot 0 is prefilled with `prompt_len` tokens, then held at W - (k + 1) committed tokens before every
+    step, so each step attends its whole window (the XLA form costs the same at any length; the
+    cached-attention kernel reads what the row holds). `reference`, an
     engine with the same menu (one compiled under `models.cache_attention.xla_form_only`), is called in
     the same alternation and adds {reference_ms, reference_ratio} to each row.
     """
@@ -112,7 +135,9 @@ def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8, reference=None)
     for k in engine.menu.k_menu:
         for window in engine.menu.window_buckets:
             before = load()
-            times = interleaved_medians([bare[k]] + [step_call(e, k, window) for e in engines], repeats)
+            context = max(0, window - (k + 1))  # the step's queries see the whole window
+            times = interleaved_medians([bare[k]] + [step_call(e, k, window) for e in engines], repeats,
+                                        prepares=[None] + [hold_context(e, context) for e in engines])
             bare_s, step_s = times[0], times[1]
             row = {"k": k, "W": window, "T": k + 1, "engine_ms": step_s * 1e3, "bare_ms": bare_s * 1e3,
                    "ratio": step_s / bare_s}
