@@ -102,75 +102,121 @@ int64_t AttendedPositions(const bool* mask, int64_t w_len) {
   return w_len;
 }
 
-// Attend queries[0, count) over their positions [0, w_end), `stride` floats apart; scores is scratch [W].
-// kH > 0 fixes the head dim at compile time (the loops over h unroll into registers); kH = 0 takes it at
-// run time. Each query is computed on its own, by the same operations in the same order whatever B, T,
-// the other queries or the split over threads are.
+// q · k over one head (h/8 chunks of 8): two 8-lane partial sums (even and odd chunks), added, folded.
+template <int64_t kChunks>
+static inline __attribute__((always_inline)) float Dot(const F8* q_chunks, const float* __restrict k_w,
+                                                       int64_t chunks) {
+  F8 even = {}, odd = {};
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    even += q_chunks[c] * Load8(k_w + 8 * c);
+    odd += q_chunks[c + 1] * Load8(k_w + 8 * c + 8);
+  }
+  if (c < chunks) even += q_chunks[c] * Load8(k_w + 8 * c);  // h = 16·m + 8
+  return HorizontalSum(even + odd);
+}
+
+// ExpNonPositive on eight lanes (the same operations lane by lane).
+static inline __attribute__((always_inline)) F8 ExpNonPositive8(F8 x) {
+  F8 out;
+  for (int l = 0; l < 8; ++l) out[l] = ExpNonPositive(x[l]);
+  return out;
+}
+
+// Attend queries[0, count), which share one kv head of one slot (k, v, stride), over their positions
+// [0, w_end). The window is walked in tiles of kTile positions, and every query of the group takes its turn on
+// a tile while the tile's keys (then values) are in L1: the group reads the window from memory once, not
+// once per query. scores is scratch [count, w_pad] (W rounded up to 8); out accumulates across tiles.
+// kH > 0 fixes the head dim at compile time (the query and the output accumulator live in registers); kH = 0
+// takes it at run time. Each query is computed on its own, by the same operations in the same order
+// (positions in order, tile after tile), whatever B, T, the other queries or the split over threads are.
+constexpr int64_t kTile = 32;
+// (query, position) pairs below which a call runs on the calling thread alone: waking one of XLA's pool
+// threads costs about what ~16k pairs take (measured with benchmarks/cache_attention.py on a 2-core host).
+constexpr int64_t kPairsWorthAThread = 16384;
+
 template <int64_t kH>
 static inline __attribute__((always_inline)) void AttendBody(const Query* queries, int64_t count, int64_t stride,
-                                                             int64_t h_run_time, float scale,
+                                                             int64_t h_run_time, float scale, int64_t w_pad,
                                                              float* __restrict scores) {
-  const int64_t h = kH > 0 ? kH : h_run_time;
+  constexpr int64_t kMaxChunks = (kH > 0 ? kH : kMaxHeadDim) / 8;
+  const int64_t chunks = kH > 0 ? kH / 8 : h_run_time / 8;
   const float masked = std::numeric_limits<float>::lowest();  // the XLA form's finfo(float32).min
-  for (int64_t i = 0; i < count; ++i) {
-    const float* __restrict q_i = queries[i].q;
-    const bool* __restrict sees_i = queries[i].sees;
-    const float* __restrict k_base = queries[i].k;
-    const float* __restrict v_base = queries[i].v;
-    const int64_t w_end = queries[i].w_end;
-    // scores[w] = q_i · k_w / sqrt(H), or `masked`: two 8-lane partial sums over h (even and odd chunks
-    // of 8), added, then folded 8 -> 4 -> 2 -> 1
-    float top = masked;
-    for (int64_t w = 0; w < w_end; ++w) {
-      float score = masked;
-      if (sees_i[w]) {
-        const float* __restrict k_w = k_base + w * stride;
-        F8 even = {}, odd = {};
-        int64_t j = 0;
-        for (; j + 16 <= h; j += 16) {
-          even += Load8(q_i + j) * Load8(k_w + j);
-          odd += Load8(q_i + j + 8) * Load8(k_w + j + 8);
-        }
-        if (j < h) even += Load8(q_i + j) * Load8(k_w + j);  // h = 16·m + 8
-        score = HorizontalSum(even + odd) * scale;
+  const float* __restrict k_base = queries[0].k;
+  const float* __restrict v_base = queries[0].v;
+  int64_t w_max = 0;
+  for (int64_t i = 0; i < count; ++i) w_max = std::max(w_max, queries[i].w_end);
+  // 1. scores[i, w] = q_i · k_w / sqrt(H), or `masked`; four positions in flight, each its own Dot
+  for (int64_t tile = 0; tile < w_max; tile += kTile) {
+    for (int64_t i = 0; i < count; ++i) {
+      const bool* __restrict sees_i = queries[i].sees;
+      float* __restrict scores_i = scores + i * w_pad;
+      const int64_t tile_end = std::min(tile + kTile, queries[i].w_end);
+      F8 q_chunks[kMaxChunks];
+      for (int64_t c = 0; c < chunks; ++c) q_chunks[c] = Load8(queries[i].q + 8 * c);
+      auto score_at = [&](int64_t w) {
+        const float dot = Dot<kMaxChunks>(q_chunks, k_base + w * stride, chunks) * scale;
+        return sees_i[w] ? dot : masked;
+      };
+      int64_t w = tile;
+      for (; w + 4 <= tile_end; w += 4) {
+        const float s0 = score_at(w), s1 = score_at(w + 1), s2 = score_at(w + 2), s3 = score_at(w + 3);
+        scores_i[w] = s0, scores_i[w + 1] = s1, scores_i[w + 2] = s2, scores_i[w + 3] = s3;
       }
-      scores[w] = score;
-      top = std::max(top, score);
+      for (; w < tile_end; ++w) scores_i[w] = score_at(w);
     }
-    // softmax over w: exp(score - top) / total
-    for (int64_t w = 0; w < w_end; ++w) scores[w] = ExpNonPositive(scores[w] - top);
-    float sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight partial sums, as for the dot products
-    int64_t w = 0;
-    for (; w + 8 <= w_end; w += 8) {
-      for (int64_t l = 0; l < 8; ++l) sums[l] += scores[w + l];
+  }
+  // 2. each query's softmax over its positions: p = exp(score - top) / total (the total as eight partial sums
+  //    folded in halves; padding to a multiple of 8 adds exact zeros)
+  for (int64_t i = 0; i < count; ++i) {
+    float* __restrict scores_i = scores + i * w_pad;
+    const int64_t w_end = queries[i].w_end, w_padded = (w_end + 7) / 8 * 8;
+    for (int64_t w = w_end; w < w_padded; ++w) scores_i[w] = masked;
+    F8 top8 = masked - F8{};
+    for (int64_t w = 0; w < w_padded; w += 8) top8 = top8 > Load8(scores_i + w) ? top8 : Load8(scores_i + w);
+    const float top = std::max(std::max(std::max(top8[0], top8[1]), std::max(top8[2], top8[3])),
+                               std::max(std::max(top8[4], top8[5]), std::max(top8[6], top8[7])));
+    F8 sums = {};
+    for (int64_t w = 0; w < w_padded; w += 8) {
+      const F8 e = ExpNonPositive8(Load8(scores_i + w) - top);
+      std::memcpy(scores_i + w, &e, sizeof e);
+      sums += e;
     }
-    for (int64_t l = 0; w < w_end; ++w, ++l) sums[l] += scores[w];
-    for (int64_t l = 0; l < 4; ++l) sums[l] += sums[l + 4];
-    for (int64_t l = 0; l < 2; ++l) sums[l] += sums[l + 2];
-    const float inverse = 1.0f / (sums[0] + sums[1]);
-    // out_i = sum_w p_w · v_w (positions with p = 0 add exact zeros: skipped)
-    float acc[kH > 0 ? kH : kMaxHeadDim] = {};
-    for (int64_t w = 0; w < w_end; ++w) {
-      const float p = scores[w] * inverse;
-      if (p == 0.0f) continue;
-      const float* __restrict v_w = v_base + w * stride;
-      for (int64_t j = 0; j < h; ++j) acc[j] += p * v_w[j];
+    const float inverse = 1.0f / HorizontalSum(sums);
+    for (int64_t w = 0; w < w_padded; w += 8) {
+      const F8 p = Load8(scores_i + w) * inverse;
+      std::memcpy(scores_i + w, &p, sizeof p);
     }
-    std::copy(acc, acc + h, queries[i].out);
+  }
+  // 3. out_i = sum_w p_w · v_w, in position order, carried in out_i from tile to tile
+  for (int64_t tile = 0; tile < w_max; tile += kTile) {
+    for (int64_t i = 0; i < count; ++i) {
+      const float* __restrict p_i = scores + i * w_pad;
+      float* out_i = queries[i].out;
+      const int64_t tile_end = std::min(tile + kTile, queries[i].w_end);
+      if (tile > 0 && tile >= tile_end) continue;
+      F8 acc[kMaxChunks];
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = tile == 0 ? F8{} : Load8(out_i + 8 * c);
+      for (int64_t w = tile; w < tile_end; ++w) {
+        const float* __restrict v_w = v_base + w * stride;
+        for (int64_t c = 0; c < chunks; ++c) acc[c] += p_i[w] * Load8(v_w + 8 * c);
+      }
+      for (int64_t c = 0; c < chunks; ++c) std::memcpy(out_i + 8 * c, &acc[c], sizeof(F8));
+    }
   }
 }
 
 // The entry points: the head dims of the supported models unrolled, any other (a multiple of 8) at run
-// time. On x86-64 each is compiled twice (AVX2 + FMA and baseline), the variant picked at load time;
+// time. On x86-64 each is compiled three times (AVX-512, AVX2 + FMA, baseline), the variant picked at load time;
 // elsewhere (aarch64 hosts) once, for the compiler's default target.
 #if defined(__x86_64__)
-#define JAXSPEC_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define JAXSPEC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define JAXSPEC_CLONES
 #endif
 #define JAXSPEC_ATTEND_ARGS \
-  const Query *queries, int64_t count, int64_t stride, int64_t h, float scale, float *scores
-#define JAXSPEC_ATTEND_CALL queries, count, stride, h, scale, scores
+  const Query *queries, int64_t count, int64_t stride, int64_t h, float scale, int64_t w_pad, float *scores
+#define JAXSPEC_ATTEND_CALL queries, count, stride, h, scale, w_pad, scores
 
 JAXSPEC_CLONES void AttendH64(JAXSPEC_ATTEND_ARGS) {
   AttendBody<64>(JAXSPEC_ATTEND_CALL);
@@ -182,24 +228,27 @@ JAXSPEC_CLONES void AttendAnyH(JAXSPEC_ATTEND_ARGS) {
   AttendBody<0>(JAXSPEC_ATTEND_CALL);
 }
 
-// The queries of one call, split into chunks that the calling thread and XLA's intra-op pool claim one at a
-// time. It lives on the heap, shared by every task: a task the pool starts after the call returned finds no
-// chunk left and touches nothing else.
+// The queries of one call, ordered by (row, kv head) and cut into units of queries that share one kv head
+// of one slot; the calling thread and XLA's intra-op pool claim units one at a time. It lives on the heap,
+// shared by every task: a task the pool starts after the call returned finds no unit left and touches
+// nothing else.
 struct SharedWork {
   std::vector<Query> queries;
-  int64_t chunk_size, chunks, stride, w_len, h;
+  std::vector<int64_t> unit_starts;  // unit u is queries[unit_starts[u], unit_starts[u + 1])
+  int64_t stride, w_pad, h, largest_unit;
   float scale;
-  std::atomic<int64_t> next_chunk{0};
-  std::atomic<int64_t> chunks_done{0};
+  std::atomic<int64_t> next_unit{0};
+  std::atomic<int64_t> units_done{0};
+
+  int64_t units() const { return static_cast<int64_t>(unit_starts.size()) - 1; }
 
   void Run() {
     const auto attend = h == 64 ? AttendH64 : h == 128 ? AttendH128 : AttendAnyH;
-    std::vector<float> scores(static_cast<size_t>(w_len));
-    for (int64_t c = next_chunk.fetch_add(1); c < chunks; c = next_chunk.fetch_add(1)) {
-      const int64_t begin = c * chunk_size;
-      attend(queries.data() + begin, std::min(chunk_size, static_cast<int64_t>(queries.size()) - begin), stride, h,
-             scale, scores.data());
-      chunks_done.fetch_add(1, std::memory_order_release);
+    std::vector<float> scores(static_cast<size_t>(largest_unit * w_pad));  // [unit queries, w_pad]
+    for (int64_t u = next_unit.fetch_add(1); u < units(); u = next_unit.fetch_add(1)) {
+      attend(queries.data() + unit_starts[u], unit_starts[u + 1] - unit_starts[u], stride, h, scale, w_pad,
+             scores.data());
+      units_done.fetch_add(1, std::memory_order_release);
     }
   }
 };
@@ -225,35 +274,49 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int64_t r_per_group = n_heads / g_heads;
   auto work = std::make_shared<SharedWork>();
   work->stride = g_heads * h_dim;  // floats between consecutive positions of one slot
-  work->w_len = w_len;
+  work->w_pad = (w_len + 7) / 8 * 8;
   work->h = h_dim;
   work->scale = 1.0f / std::sqrt(static_cast<float>(h_dim));
+  std::vector<int64_t> w_ends(static_cast<size_t>(b_rows * t_len));  // per query token, shared by its N heads
+  int64_t pairs = 0;  // (query, position) pairs the call attends
+  for (int64_t bt = 0; bt < b_rows * t_len; ++bt) {
+    w_ends[bt] = AttendedPositions(mask.typed_data() + bt * w_len, w_len);
+    pairs += w_ends[bt] * n_heads;
+  }
+  // units: each (row, kv head) group of T·R queries cut into pieces, about two units per thread (the caller
+  // and the pool's) when there are fewer groups than that. Calls too small to repay waking a pool thread
+  // run on the calling thread alone.
+  const int64_t group_size = t_len * r_per_group;
+  const int64_t threads = pairs < kPairsWorthAThread ? 1 : 1 + std::max<int64_t>(0, pool.num_threads());
+  const int64_t pieces = std::min(group_size, std::max<int64_t>(1, (2 * threads + b_rows * g_heads - 1) /
+                                                                     (b_rows * g_heads)));
+  const int64_t piece_size = (group_size + pieces - 1) / pieces;
+  work->largest_unit = piece_size;
   work->queries.reserve(static_cast<size_t>(b_rows * t_len * n_heads));
   for (int64_t b = 0; b < b_rows; ++b) {
     const int64_t slot = slots.typed_data()[b];
     if (slot < 0 || slot >= s_slots) {
       return ffi::Error::InvalidArgument("cache_attention: slot id " + std::to_string(slot) + " outside the cache");
     }
-    for (int64_t t = 0; t < t_len; ++t) {
-      const bool* sees = mask.typed_data() + (b * t_len + t) * w_len;  // shared by the N heads
-      const int64_t w_end = AttendedPositions(sees, w_len);
-      for (int64_t n = 0; n < n_heads; ++n) {  // head n reads kv head g = n / R
+    for (int64_t g = 0; g < g_heads; ++g) {
+      const int64_t first = (slot * m_len * g_heads + g) * h_dim;  // position 0 of kv head g in the slot
+      for (int64_t j = 0; j < group_size; ++j) {  // query head n = g·R + r reads kv head g
+        const int64_t t = j / r_per_group, n = g * r_per_group + j % r_per_group;
+        if (j % piece_size == 0) work->unit_starts.push_back(static_cast<int64_t>(work->queries.size()));
+        const bool* sees = mask.typed_data() + (b * t_len + t) * w_len;  // shared by the N heads
         const int64_t row = (b * t_len + t) * n_heads + n;
-        const int64_t first = (slot * m_len * g_heads + n / r_per_group) * h_dim;  // position 0 of kv head g
         work->queries.push_back(Query{q.typed_data() + row * h_dim, sees, out->typed_data() + row * h_dim,
-                                      k_cache.typed_data() + first, v_cache.typed_data() + first, w_end});
+                                      k_cache.typed_data() + first, v_cache.typed_data() + first,
+                                      w_ends[b * t_len + t]});
       }
     }
   }
-  // about four chunks per thread (the caller and the pool's), at least one query each
-  const int64_t total = static_cast<int64_t>(work->queries.size());
-  const int64_t threads = 1 + std::max<int64_t>(0, pool.num_threads());
-  work->chunk_size = std::max<int64_t>(1, (total + 4 * threads - 1) / (4 * threads));
-  work->chunks = (total + work->chunk_size - 1) / work->chunk_size;
-  for (int64_t i = 0; i < std::min(threads - 1, work->chunks - 1); ++i) pool.Schedule([work] { work->Run(); });
+  work->unit_starts.push_back(static_cast<int64_t>(work->queries.size()));
+  const int64_t units = work->units();
+  for (int64_t i = 0; i < std::min(threads - 1, units - 1); ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
-  // every chunk is claimed now, each by a thread that is running it: wait for those to finish
-  while (work->chunks_done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+  // every unit is claimed now, each by a thread that is running it: wait for those to finish
+  while (work->units_done.load(std::memory_order_acquire) < units) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
