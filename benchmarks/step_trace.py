@@ -4,13 +4,15 @@
     python -m benchmarks.step_trace --model qwen2.5-1.5b --dtype bfloat16 --k 0,4 --calls 10   (on a GPU)
 
 For each k: the default model's engine at B = 1 (prompt lookup for k > 0, one window bucket W = max_len),
-its compiled (1, k, W) step executable and the bare chain at T = k + 1 (`jaxspec/floor.py`) are each run
+its compiled (1, k, W) step executable (the slot held at W − (k + 1) tokens, so every step attends its
+whole window) and the bare chain at T = k + 1 (`jaxspec/floor.py`) are each run
 `--calls` times under `jax.profiler` (a perfetto trace). Every traced kernel is matched by name to an
 instruction of its program's optimised HLO and summed per (category, kernel kind, output shape):
 
     weight matmul  a dot or dot fusion whose output is [T, X] (or [X, T]) with X a serving weight's output
                    width (fused qkv, D, fused gate/up, V): what the bare chain also does
-    attention      the other dot fusions and the window copies (dynamic slices of the cache)
+    attention      the cache-attention kernel (models/cache_attention.py), or in the XLA form the other dot
+                   fusions and the window copies (dynamic slices of the cache)
     other          everything else (norms, RoPE, cache writes, residual adds, verify and state updates)
 
 Device kernels that match no instruction by name or by their `hlo_op` argument (library kernels on a
@@ -35,9 +37,10 @@ import jax
 from benchmarks.common import machine
 from jaxspec.build import build_model, build_proposer
 from jaxspec.engine import Engine, enable_compilation_cache
-from jaxspec.floor import bare_chain, interleaved_medians, load, step_call
+from jaxspec.floor import bare_chain, hold_context, interleaved_medians, load, step_call
 from jaxspec.menu import Menu, StepKey
 from jaxspec.types import SamplingParams
+from models.cache_attention import TARGET as CACHE_ATTENTION
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (\S+) (\S+?)\(", re.M)
 _FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
@@ -94,11 +97,12 @@ def kernel_times(call, hlo: str, calls: int) -> tuple[dict[str, float], float]:
 def breakdown(per_kernel: dict[str, float], hlo: str, t: int, weight_widths: set[int]) -> list[dict]:
     """Rows {category, kind, shape, ms, count} per (category, kernel kind, output shape), slowest first."""
     kernels = entry_kernels(hlo)
+    in_place = set(re.findall(r'%(\S+) = [^\n]*custom_call_target="' + CACHE_ATTENTION + '"', hlo))
     rows: dict[tuple, dict] = {}
     for name, ms in per_kernel.items():
         opcode, shape = kernels[name]
-        kind = re.sub(r"\.\d+$", "", name)
-        key = (category(opcode, name, shape, t, weight_widths), kind, shape)
+        kind = "cache attention kernel" if name in in_place else re.sub(r"\.\d+$", "", name)
+        key = ("attention" if name in in_place else category(opcode, name, shape, t, weight_widths), kind, shape)
         row = rows.setdefault(key, {"category": key[0], "kind": kind, "shape": shape, "ms": 0.0, "count": 0})
         row["ms"] += ms
         row["count"] += 1
@@ -123,7 +127,12 @@ def trace_step(model, k: int, window: int, calls: int) -> dict:
     c = engine.model_config
     widths = {engine.placed_weights()[1][0]["wqkv"].size // c.hidden_size, c.hidden_size,
               2 * c.intermediate_size, c.vocab_size}
-    step = step_call(engine, k, window)
+    run_step, hold = step_call(engine, k, window), hold_context(engine, window - (k + 1))
+
+    def step():  # every step attends its whole window
+        hold()
+        run_step()
+
     fn, args = bare_chain(engine, k + 1)
     bare_compiled = fn.lower(*args).compile()
 
@@ -140,7 +149,8 @@ def trace_step(model, k: int, window: int, calls: int) -> dict:
         rows = breakdown(per_kernel, hlo, k + 1, widths)
         out[label] = {"summary": summary(rows, unmatched), "kernels": rows}
     # the calls' wall time, untraced, alternated: kernel time far below it means launches and gaps dominate
-    out["engine_wall_ms"], out["bare_wall_ms"] = (1e3 * s for s in interleaved_medians([step, bare], calls))
+    out["engine_wall_ms"], out["bare_wall_ms"] = (1e3 * s for s in interleaved_medians([run_step, bare], calls,
+                                                                                      prepares=[hold, None]))
     out["load_after"] = load()
     return out
 

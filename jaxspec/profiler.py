@@ -1,7 +1,7 @@
 """`jaxspec profile`: time every compiled step shape (B, k, W) of an engine's menu on this device.
 
-For each attention window W and k (one representative context: the shortest whose step at k
-lands in W, since compute depends only on the static shape), each batch bucket B and each k:
+For each attention window W and k (one representative context: the middle of those whose step at k
+lands in W), each batch bucket B and each k:
 prefill B dummy slots, run one untimed step, then `repeats` timed steps, and keep the median
 seconds. Slots are re-prefilled whenever growth would move a step into another window.
 Real-token probe: for each B ≥ 2 at the largest k, alternate the step with every row at k and
@@ -40,10 +40,12 @@ SIGNIFICANT_SHARE = 0.75  # share of pairs that must show a saving for c_real to
 
 
 def default_contexts(window_buckets: Sequence[int], k: int = 0) -> tuple[int, ...]:
-    """One context per window: the shortest whose step at this k lands in it (1 for the first).
-    A step at context n needs n + k + 1 cache positions, so ctx = previous window − k; such a
-    step always fits the cache (ctx + k + 1 ≤ its window ≤ max_len)."""
-    return tuple([1] + [max(1, prev - k) for prev in window_buckets[:-1]])
+    """One context per window: the middle of those whose step at this k lands in it. A step at
+    context n needs n + k + 1 cache positions, so window W takes contexts previous window − k …
+    W − k − 1 (1 … for the first). The middle, because the cached-attention kernel's cost follows the
+    context (the XLA form's depends on W alone; docs/design.md, "Attention on XLA:CPU")."""
+    lows = [1] + [max(1, prev - k) for prev in window_buckets[:-1]]
+    return tuple((lo + max(lo, w - k - 1)) // 2 for lo, w in zip(lows, window_buckets, strict=True))
 
 
 def device_kind() -> str:

@@ -58,6 +58,8 @@ def test_step_trace_splits_the_step_into_the_bare_chains_matmuls_and_the_rest(ti
     engine, bare = result["engine"], result["bare"]
     assert bare["summary"]["attention"] == 0 and bare["summary"]["weight matmul"] > 0
     assert engine["summary"]["attention"] > 0 and engine["summary"]["weight matmul"] > 0
+    kernel_rows = [r for r in engine["kernels"] if r["kind"] == "cache attention kernel"]  # one per layer
+    assert [(r["category"], r["count"]) for r in kernel_rows] == [("attention", tiny_model.config.num_layers)]
     bare_matmuls = sorted((r["shape"], r["count"]) for r in bare["kernels"] if r["category"] == "weight matmul")
     engine_matmuls = sorted((r["shape"], r["count"]) for r in engine["kernels"] if r["category"] == "weight matmul")
     assert sum(n for _, n in engine_matmuls) == sum(n for _, n in bare_matmuls), (engine_matmuls, bare_matmuls)

@@ -94,9 +94,9 @@ def test_timing_noise_does_not_invent_a_per_token_price():
     assert profile.real_token_s == pytest.approx(0.05e-3, rel=0.1)
 
 
-def test_default_contexts():
-    assert profiler.default_contexts((256, 1024)) == (1, 256)
-    assert profiler.default_contexts((256, 1024), k=3) == (1, 253)
+def test_default_contexts_are_the_middle_of_each_window():
+    assert profiler.default_contexts((256, 1024)) == (128, 639)  # (1 + 255) // 2, (256 + 1023) // 2
+    assert profiler.default_contexts((256, 1024), k=3) == (126, 636)  # (1 + 252) // 2, (253 + 1020) // 2
 
 
 def test_close_windows_reach_every_shape_and_fit_the_cache():
