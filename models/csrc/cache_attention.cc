@@ -131,9 +131,12 @@ static inline __attribute__((always_inline)) F8 ExpNonPositive8(F8 x) {
 // takes it at run time. Each query is computed on its own, by the same operations in the same order
 // (positions in order, tile after tile), whatever B, T, the other queries or the split over threads are.
 constexpr int64_t kTile = 32;
-// (query, position) pairs below which a call runs on the calling thread alone: waking one of XLA's pool
-// threads costs about what ~16k pairs take (measured with benchmarks/cache_attention.py on a 2-core host).
-constexpr int64_t kPairsWorthAThread = 16384;
+// Splitting a call over XLA's intra-op threads: calls with fewer (query, position) pairs than this run on the
+// calling thread alone (waking a pool thread costs more than they take), and a (row, kv head) group of fewer
+// queries than kQueriesWorthASplit is one unit (a split would read its window twice to save little
+// arithmetic). Both set by timing the step on a 2-core host (docs/benchmarks.md, the floor).
+constexpr int64_t kPairsWorthAThread = 4096;
+constexpr int64_t kQueriesWorthASplit = 8;
 
 template <int64_t kH>
 static inline __attribute__((always_inline)) void AttendBody(const Query* queries, int64_t count, int64_t stride,
@@ -283,13 +286,14 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     w_ends[bt] = AttendedPositions(mask.typed_data() + bt * w_len, w_len);
     pairs += w_ends[bt] * n_heads;
   }
-  // units: each (row, kv head) group of T·R queries cut into pieces, about two units per thread (the caller
-  // and the pool's) when there are fewer groups than that. Calls too small to repay waking a pool thread
-  // run on the calling thread alone.
+  // units: each (row, kv head) group of T·R queries, cut into pieces (about two units per thread: the caller
+  // and the pool's) when there are fewer groups than that and the group is large
   const int64_t group_size = t_len * r_per_group;
   const int64_t threads = pairs < kPairsWorthAThread ? 1 : 1 + std::max<int64_t>(0, pool.num_threads());
-  const int64_t pieces = std::min(group_size, std::max<int64_t>(1, (2 * threads + b_rows * g_heads - 1) /
-                                                                     (b_rows * g_heads)));
+  const int64_t groups = b_rows * g_heads;
+  const int64_t pieces = group_size < kQueriesWorthASplit
+                             ? 1
+                             : std::min(group_size, std::max<int64_t>(1, (2 * threads + groups - 1) / groups));
   const int64_t piece_size = (group_size + pieces - 1) / pieces;
   work->largest_unit = piece_size;
   work->queries.reserve(static_cast<size_t>(b_rows * t_len * n_heads));
