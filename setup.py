@@ -14,5 +14,6 @@ setup(ext_modules=[Extension(
     sources=["models/csrc/cache_attention.cc"],
     include_dirs=[os.path.join(os.path.dirname(jaxlib.__file__), "include")],
     language="c++",
-    extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=fast", "-fno-trapping-math", "-Wno-attributes", "-Wno-return-type", "-Wno-psabi"],
+    extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=fast", "-fno-trapping-math",
+                        "-Wno-attributes", "-Wno-return-type", "-Wno-psabi"],
 )])
