@@ -7,7 +7,7 @@ same matmuls at the same shapes over the same placed arrays, nothing else, jitte
 The engine's compiled step executable is timed alone at every (k, W) of the menu at B = 1 next to
 it, in the same process, and the table reports engine / bare (with the machine load before and
 after each row: numbers taken above a load of about 1 on a 2-core machine are distorted). `--xla-form`
-adds a second engine whose attention is compiled in the XLA form (`models.cache_attention.xla_form_only`),
+adds a second engine built to attend in the XLA form (`models.cache_attention.xla_form_only`),
 alternated with the first: what the in-place cache-attention kernel buys on XLA:CPU.
 Both engines decode the same prompt greedily in the same process, alternating, `--repeats` times
 (medians reported, every repeat kept); prefill is excluded on both sides; the outputs are compared
@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     engine.warmup(progress=False)
     reference = None
     if args.xla_form:
-        with xla_form_only():  # traced and compiled in warm-up
+        with xla_form_only():  # the engine keeps the XLA form for everything it compiles
             reference = Engine(built.model, build_proposer("ngram", built.model) if proposer else None, menu)
-            reference.warmup(progress=False)
+        reference.warmup(progress=False)
     load_before = load()
     rows = step_vs_bare(engine, repeats=args.step_repeats, reference=reference)
     del reference

@@ -41,7 +41,7 @@ from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.proposers.base import NoProposer, Proposer, StepContext, empty_proposals
 from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, StepResult
 from jaxspec.verify import RESIDUAL_KEY, verify, verify_tree
-from models.cache_attention import reads_cache_in_place
+from models.cache_attention import kernel_allowed, reads_cache_in_place
 from models.kv_cache import init_cache
 from models.llama import Llama, StepInputs, chain_inputs, serving_split
 from models.sharding import Placement, cache_spec, padded_slots, plan_layout, replicated_layout
@@ -148,8 +148,8 @@ class Engine:
                                                                  jax.eval_shape(self._fresh_state))
         self._init_state = jax.jit(self._fresh_state, out_shardings=self._state_shardings)
         self.state = self._init_state()
-        # decode steps read the cache in place on XLA:CPU (models/cache_attention.py); decided here as it will
-        # be when the steps are traced (inside `xla_form_only` both say 'xla')
+        # steps read the cache in place on XLA:CPU (models/cache_attention.py); decided here (inside
+        # `xla_form_only`: 'xla') and held for every executable `_compile` traces
         self.attention = "cache-kernel" if reads_cache_in_place(self.state.cache.k[0], 1) else "xla"
 
     # --- state ---------------------------------------------------------------------
@@ -343,6 +343,11 @@ class Engine:
 
     def _compile(self, key: ShapeKey) -> Callable:
         """One menu executable, with explicit input and output shardings (state in = state out)."""
+        with kernel_allowed(self.attention == "cache-kernel"):  # the form chosen in __init__, wherever compiled
+            return self._lower(key).compile()
+
+    def _lower(self, key: ShapeKey):
+        """The jitted body of one menu shape, lowered with its shardings (not yet compiled)."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         rep, state = self._replicated, self._state_shardings
         params, proposer_params = jax.tree.map(lambda x: x.sharding, (self._params, self._proposer_params))
@@ -360,7 +365,7 @@ class Engine:
             lowered = fn.lower(self._params, self._proposer_params, self.state, PrefillInputs.spec(key.chunk))
         else:
             raise TypeError(f"not a shape key: {key!r}")
-        return lowered.compile()
+        return lowered
 
     def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True) -> int:
         """Compile the menu ahead of time and run each new shape once (`_run_once`). Any failure raises.

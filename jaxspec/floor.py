@@ -122,7 +122,7 @@ def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8, reference=None)
     Slot 0 is prefilled with `prompt_len` tokens, then held at W - (k + 1) committed tokens before every
     step, so each step attends its whole window (the XLA form costs the same at any length; the
     cached-attention kernel reads what the row holds). `reference`, an
-    engine with the same menu (one compiled under `models.cache_attention.xla_form_only`), is called in
+    engine with the same menu (one built under `models.cache_attention.xla_form_only`), is called in
     the same alternation and adds {reference_ms, reference_ratio} to each row.
     """
     engines = [engine] if reference is None else [engine, reference]

@@ -20,29 +20,37 @@ from models import _cache_attention  # built by setup.py from models/csrc/cache_
 TARGET = "jaxspec_cache_attention"
 jax.ffi.register_ffi_target(TARGET, _cache_attention.handler(), platform="cpu")
 
-# the kernel serves decode and verify steps (T ≤ this many tokens per row); a prefill chunk's attention
-# is a real matmul, which XLA's multi-threaded dot does better (docs/results/cache_attention.json)
+# the kernel serves decode, verify and tree steps and small prefill chunks (T ≤ this many tokens per row);
+# it was measured faster than the XLA form up to T = 128 (docs/results/cache_attention.json), larger
+# prefill chunks were not measured and keep the XLA form
 MAX_STEP_TOKENS = 64
-_XLA_FORM_ONLY = contextvars.ContextVar("jaxspec_xla_form_only", default=False)
+_KERNEL_ALLOWED = contextvars.ContextVar("jaxspec_cache_kernel_allowed", default=True)
 
 
 @contextlib.contextmanager
-def xla_form_only() -> Iterator[None]:
-    """Within this block, models traced (engines compiled) attend in the XLA form even where the kernel
-    applies: the side-by-side reference in benchmarks/decode_speed.py and the kernel's tests."""
-    token = _XLA_FORM_ONLY.set(True)
+def kernel_allowed(allowed: bool) -> Iterator[None]:
+    """Within this block, models traced attend with the kernel where it applies (True) or in the XLA form
+    everywhere (False). `Engine` compiles every executable inside `kernel_allowed(engine.attention ==
+    'cache-kernel')`, so the form it chose at construction holds whatever block it is compiled in."""
+    token = _KERNEL_ALLOWED.set(allowed)
     try:
         yield
     finally:
-        _XLA_FORM_ONLY.reset(token)
+        _KERNEL_ALLOWED.reset(token)
+
+
+def xla_form_only() -> contextlib.AbstractContextManager[None]:
+    """`kernel_allowed(False)`: engines built and models traced in this block attend in the XLA form (the
+    side-by-side reference in benchmarks/decode_speed.py and the kernel's tests)."""
+    return kernel_allowed(False)
 
 
 def reads_cache_in_place(cache_k: jax.Array, t: int) -> bool:
     """Whether `forward_cached` attends with `cache_attention` for T = `t` new tokens per row over a
     cache buffer like `cache_k` (a tracer is fine): float32 on an XLA:CPU backend, on one device (a
     cache split over a mesh keeps the XLA form, which the partitioner splits), a decode-sized T, and not
-    inside `xla_form_only`."""
-    if _XLA_FORM_ONLY.get():
+    inside `kernel_allowed(False)` (`xla_form_only`)."""
+    if not _KERNEL_ALLOWED.get():
         return False
     mesh = jax.typeof(cache_k).sharding.mesh
     return (jax.default_backend() == "cpu" and cache_k.dtype == jnp.float32

@@ -103,7 +103,6 @@ int64_t AttendedPositions(const bool* mask, int64_t w_len) {
 }
 
 // q · k over one head (h/8 chunks of 8): two 8-lane partial sums (even and odd chunks), added, folded.
-template <int64_t kChunks>
 static inline __attribute__((always_inline)) float Dot(const F8* q_chunks, const float* __restrict k_w,
                                                        int64_t chunks) {
   F8 even = {}, odd = {};
@@ -158,7 +157,7 @@ static inline __attribute__((always_inline)) void AttendBody(const Query* querie
       F8 q_chunks[kMaxChunks];
       for (int64_t c = 0; c < chunks; ++c) q_chunks[c] = Load8(queries[i].q + 8 * c);
       auto score_at = [&](int64_t w) {
-        const float dot = Dot<kMaxChunks>(q_chunks, k_base + w * stride, chunks) * scale;
+        const float dot = Dot(q_chunks, k_base + w * stride, chunks) * scale;
         return sees_i[w] ? dot : masked;
       };
       int64_t w = tile;
