@@ -37,6 +37,7 @@ constexpr int64_t kMaxHeadDim = 256;
 // Eight floats in a vector register (two halves on baseline x86-64), loaded from any address.
 typedef float F8 __attribute__((vector_size(32)));
 typedef float F4 __attribute__((vector_size(16)));
+typedef int32_t I4 __attribute__((vector_size(16)));
 
 static inline __attribute__((always_inline)) F8 Load8(const float* p) {
   F8 v;
@@ -76,15 +77,19 @@ static inline __attribute__((always_inline)) float ExpNonPositive(float x) {
 }
 
 // One query row: its query vector [H], its mask row [W], where its output [H] goes, position 0 of the
-// kv head it reads in its row's slot (position w at k + w·stride), and how many leading positions it
-// attends over: one past the last it sees (positions after that add exact zeros), or W if it sees none.
+// kv head it reads in its row's slot (position w at k + w·stride), how many leading positions it attends
+// over (one past the last it sees, as positions after that add exact zeros, or W if it sees none), and its
+// partial results, one per chunk of positions it attends (see Partial).
 struct Query {
   const float* q;
   const bool* sees;
   float* out;
   const float* k;
   const float* v;
+  const float* k_slot;  // position 0, kv head 0 of the row's slot (a whole position's keys at k_slot + w·stride)
+  const float* v_slot;
   int64_t w_end;
+  float* partials;
 };
 
 // One past the last true entry of mask[0, w_len), or w_len if there is none (a query that sees nothing
@@ -102,9 +107,9 @@ int64_t AttendedPositions(const bool* mask, int64_t w_len) {
   return w_len;
 }
 
-// q · k over one head (h/8 chunks of 8): two 8-lane partial sums (even and odd chunks), added, folded.
-static inline __attribute__((always_inline)) float Dot(const F8* q_chunks, const float* __restrict k_w,
-                                                       int64_t chunks) {
+// q · k over one head before its fold: two 8-lane partial sums (even and odd chunks of 8), added.
+static inline __attribute__((always_inline)) F8 DotLanes(const F8* q_chunks, const float* __restrict k_w,
+                                                         int64_t chunks) {
   F8 even = {}, odd = {};
   int64_t c = 0;
   for (; c + 2 <= chunks; c += 2) {
@@ -112,7 +117,25 @@ static inline __attribute__((always_inline)) float Dot(const F8* q_chunks, const
     odd += q_chunks[c + 1] * Load8(k_w + 8 * c + 8);
   }
   if (c < chunks) even += q_chunks[c] * Load8(k_w + 8 * c);  // h = 16·m + 8
-  return HorizontalSum(even + odd);
+  return even + odd;
+}
+
+// The four halves-folded sums of four 8-lane vectors: with f = lanes 0-3 + lanes 4-7 of each,
+// ((f0 + f1) + (f2 + f3)) for each, computed side by side.
+static inline __attribute__((always_inline)) F4 FoldFour(F8 a, F8 b, F8 c, F8 d) {
+  const F4 fa = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const F4 fb = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  const F4 fc = __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
+  const F4 fd = __builtin_shufflevector(d, d, 0, 1, 2, 3) + __builtin_shufflevector(d, d, 4, 5, 6, 7);
+  const F4 ab = __builtin_shufflevector(fa, fb, 0, 2, 4, 6) + __builtin_shufflevector(fa, fb, 1, 3, 5, 7);
+  const F4 cd = __builtin_shufflevector(fc, fd, 0, 2, 4, 6) + __builtin_shufflevector(fc, fd, 1, 3, 5, 7);
+  return __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
+}
+
+// FoldFour of one vector: ((f0 + f1) + (f2 + f3)), the same operations in the same order.
+static inline __attribute__((always_inline)) float FoldOne(F8 a) {
+  const F4 f = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (f[0] + f[1]) + (f[2] + f[3]);
 }
 
 // ExpNonPositive on eight lanes (the same operations lane by lane).
@@ -122,89 +145,135 @@ static inline __attribute__((always_inline)) F8 ExpNonPositive8(F8 x) {
   return out;
 }
 
-// Attend queries[0, count), which share one kv head of one slot (k, v, stride), over their positions
-// [0, w_end). The window is walked in tiles of kTile positions, and every query of the group takes its turn on
-// a tile while the tile's keys (then values) are in L1: the group reads the window from memory once, not
-// once per query. scores is scratch [count, w_pad] (W rounded up to 8); out accumulates across tiles.
-// kH > 0 fixes the head dim at compile time (the query and the output accumulator live in registers); kH = 0
-// takes it at run time. Each query is computed on its own, by the same operations in the same order
-// (positions in order, tile after tile), whatever B, T, the other queries or the split over threads are.
+// The window is cut into chunks of kChunk positions, attended one chunk at a time: each query gets a partial
+// result per chunk (its top score there, the sum of exp(score - top), and sum exp(score - top) · v), and the
+// partials are merged in chunk order at the end. The chunking is fixed, so the result of a query depends on
+// what it sees and never on how a call is split over threads; chunks let a call with few rows, a decode
+// step's, spread its window over every thread.
+constexpr int64_t kChunk = 128;
+// Within a chunk the positions are walked in tiles of kTile, and every query of a row takes its turn on a tile
+// while the tile's keys (then values) are in L1: the row's queries read the window from memory once, as one
+// contiguous run of positions (all kv heads), not once per query.
 constexpr int64_t kTile = 32;
 // Splitting a call over XLA's intra-op threads: calls with fewer (query, position) pairs than this run on the
-// calling thread alone (waking a pool thread costs more than they take), and a (row, kv head) group of fewer
-// queries than kQueriesWorthASplit is one unit (a split would read its window twice to save little
-// arithmetic). Both set by timing the step on a 2-core host (docs/benchmarks.md, the floor).
+// calling thread alone (waking a pool thread costs more than they take), and a row of fewer queries than
+// kQueriesWorthASplit is not cut into pieces of queries (pieces read the window apart). Both set by timing
+// the step on a 2-core host (docs/benchmarks.md, the floor).
 constexpr int64_t kPairsWorthAThread = 4096;
 constexpr int64_t kQueriesWorthASplit = 8;
 
+// A query's partial result for one chunk: [top, total, 6 unused, acc[H]] (acc 32-byte aligned in the record).
+constexpr int64_t kPartialHeader = 8;
+static inline int64_t PartialSize(int64_t h) { return kPartialHeader + h; }
+
+// Lines of 16 floats (64 bytes) from p to p + h: asks for them ahead of use.
+static inline __attribute__((always_inline)) void Prefetch(const float* p, int64_t h) {
+  for (int64_t f = 0; f < h; f += 16) __builtin_prefetch(p + f, 0, 3);
+}
+
+// Attend queries[0, count), which share one row's slot (each reads its kv head at k, v; stride), over chunk c (positions
+// [c·kChunk, (c + 1)·kChunk) ∩ [0, w_end)), writing each attending query's partial for the chunk.
+// scores is scratch [count, kChunk]. kH > 0 fixes the head dim at compile time (the query and the
+// accumulator live in registers); kH = 0 takes it at run time. Each query is computed on its own, by the same
+// operations in the same order, whatever B, T, the other queries or the split over threads are.
 template <int64_t kH>
-static inline __attribute__((always_inline)) void AttendBody(const Query* queries, int64_t count, int64_t stride,
-                                                             int64_t h_run_time, float scale, int64_t w_pad,
-                                                             float* __restrict scores) {
+static inline __attribute__((always_inline)) void AttendChunkBody(const Query* queries, int64_t count, int64_t c,
+                                                                  int64_t stride, int64_t h_run_time, float scale,
+                                                                  float* __restrict scores) {
   constexpr int64_t kMaxChunks = (kH > 0 ? kH : kMaxHeadDim) / 8;
-  const int64_t chunks = kH > 0 ? kH / 8 : h_run_time / 8;
+  const int64_t h = kH > 0 ? kH : h_run_time;
+  const int64_t chunks = h / 8;
   const float masked = std::numeric_limits<float>::lowest();  // the XLA form's finfo(float32).min
-  const float* __restrict k_base = queries[0].k;
-  const float* __restrict v_base = queries[0].v;
-  int64_t w_max = 0;
-  for (int64_t i = 0; i < count; ++i) w_max = std::max(w_max, queries[i].w_end);
-  // 1. scores[i, w] = q_i · k_w / sqrt(H), or `masked`; four positions in flight, each its own Dot
-  for (int64_t tile = 0; tile < w_max; tile += kTile) {
+  const float* __restrict k_slot = queries[0].k_slot;
+  const float* __restrict v_slot = queries[0].v_slot;
+  const int64_t w_begin = c * kChunk;
+  int64_t w_max = w_begin;  // one past the last position any query attends in this chunk
+  for (int64_t i = 0; i < count; ++i) w_max = std::max(w_max, std::min(w_begin + kChunk, queries[i].w_end));
+  if (w_max == w_begin) return;
+  // 1. scores[i, w - w_begin] = q_i · k_w / sqrt(H), or `masked`; four positions in flight, each its own Dot.
+  //    While a tile's keys are used, the next tile's keys and this tile's values are fetched.
+  for (int64_t tile = w_begin; tile < w_max; tile += kTile) {
+    for (int64_t w = tile + kTile; w < std::min(tile + 2 * kTile, w_max); ++w) Prefetch(k_slot + w * stride, stride);
+    for (int64_t w = tile; w < std::min(tile + kTile, w_max); ++w) Prefetch(v_slot + w * stride, stride);
     for (int64_t i = 0; i < count; ++i) {
       const bool* __restrict sees_i = queries[i].sees;
-      float* __restrict scores_i = scores + i * w_pad;
+      const float* __restrict k_i = queries[i].k;
+      float* __restrict scores_i = scores + i * kChunk - w_begin;
       const int64_t tile_end = std::min(tile + kTile, queries[i].w_end);
       F8 q_chunks[kMaxChunks];
-      for (int64_t c = 0; c < chunks; ++c) q_chunks[c] = Load8(queries[i].q + 8 * c);
-      auto score_at = [&](int64_t w) {
-        const float dot = Dot(q_chunks, k_base + w * stride, chunks) * scale;
-        return sees_i[w] ? dot : masked;
-      };
+      for (int64_t m = 0; m < chunks; ++m) q_chunks[m] = Load8(queries[i].q + 8 * m);
+      auto lanes_at = [&](int64_t w) { return DotLanes(q_chunks, k_i + w * stride, chunks); };
       int64_t w = tile;
-      for (; w + 4 <= tile_end; w += 4) {
-        const float s0 = score_at(w), s1 = score_at(w + 1), s2 = score_at(w + 2), s3 = score_at(w + 3);
-        scores_i[w] = s0, scores_i[w + 1] = s1, scores_i[w + 2] = s2, scores_i[w + 3] = s3;
+      for (; w + 4 <= tile_end; w += 4) {  // four positions side by side
+        const F4 dots = FoldFour(lanes_at(w), lanes_at(w + 1), lanes_at(w + 2), lanes_at(w + 3)) * scale;
+        const I4 sees = {sees_i[w], sees_i[w + 1], sees_i[w + 2], sees_i[w + 3]};
+        const F4 four = sees != 0 ? dots : masked - F4{};
+        std::memcpy(scores_i + w, &four, sizeof four);
       }
-      for (; w < tile_end; ++w) scores_i[w] = score_at(w);
+      for (; w < tile_end; ++w) scores_i[w] = sees_i[w] ? FoldOne(lanes_at(w)) * scale : masked;
     }
   }
-  // 2. each query's softmax over its positions: p = exp(score - top) / total (the total as eight partial sums
-  //    folded in halves; padding to a multiple of 8 adds exact zeros)
+  // 2. each attending query's weights over the chunk: e = exp(score - top), their total as eight partial sums
+  //    folded in halves (padding to a multiple of 8 adds exact zeros)
   for (int64_t i = 0; i < count; ++i) {
-    float* __restrict scores_i = scores + i * w_pad;
-    const int64_t w_end = queries[i].w_end, w_padded = (w_end + 7) / 8 * 8;
-    for (int64_t w = w_end; w < w_padded; ++w) scores_i[w] = masked;
+    const int64_t n = std::min(w_begin + kChunk, queries[i].w_end) - w_begin, n_padded = (n + 7) / 8 * 8;
+    if (n <= 0) continue;
+    float* __restrict scores_i = scores + i * kChunk;
+    for (int64_t w = n; w < n_padded; ++w) scores_i[w] = masked;
     F8 top8 = masked - F8{};
-    for (int64_t w = 0; w < w_padded; w += 8) top8 = top8 > Load8(scores_i + w) ? top8 : Load8(scores_i + w);
+    for (int64_t w = 0; w < n_padded; w += 8) top8 = top8 > Load8(scores_i + w) ? top8 : Load8(scores_i + w);
     const float top = std::max(std::max(std::max(top8[0], top8[1]), std::max(top8[2], top8[3])),
                                std::max(std::max(top8[4], top8[5]), std::max(top8[6], top8[7])));
     F8 sums = {};
-    for (int64_t w = 0; w < w_padded; w += 8) {
+    for (int64_t w = 0; w < n_padded; w += 8) {
       const F8 e = ExpNonPositive8(Load8(scores_i + w) - top);
       std::memcpy(scores_i + w, &e, sizeof e);
       sums += e;
     }
-    const float inverse = 1.0f / HorizontalSum(sums);
-    for (int64_t w = 0; w < w_padded; w += 8) {
-      const F8 p = Load8(scores_i + w) * inverse;
-      std::memcpy(scores_i + w, &p, sizeof p);
+    float* partial = queries[i].partials + c * PartialSize(h);
+    partial[0] = top;
+    partial[1] = HorizontalSum(sums);
+  }
+  // 3. acc_i = sum_w e_w · v_w, in position order, carried in the partial from tile to tile
+  for (int64_t tile = w_begin; tile < w_max; tile += kTile) {
+    for (int64_t i = 0; i < count; ++i) {
+      const float* __restrict e_i = scores + i * kChunk - w_begin;
+      const float* __restrict v_i = queries[i].v;
+      float* acc_i = queries[i].partials + c * PartialSize(h) + kPartialHeader;
+      const int64_t tile_end = std::min(tile + kTile, queries[i].w_end);
+      if (tile >= tile_end) continue;
+      F8 acc[kMaxChunks];
+      for (int64_t m = 0; m < chunks; ++m) acc[m] = tile == w_begin ? F8{} : Load8(acc_i + 8 * m);
+      for (int64_t w = tile; w < tile_end; ++w) {
+        const float* __restrict v_w = v_i + w * stride;
+        for (int64_t m = 0; m < chunks; ++m) acc[m] += e_i[w] * Load8(v_w + 8 * m);
+      }
+      for (int64_t m = 0; m < chunks; ++m) std::memcpy(acc_i + 8 * m, &acc[m], sizeof(F8));
     }
   }
-  // 3. out_i = sum_w p_w · v_w, in position order, carried in out_i from tile to tile
-  for (int64_t tile = 0; tile < w_max; tile += kTile) {
-    for (int64_t i = 0; i < count; ++i) {
-      const float* __restrict p_i = scores + i * w_pad;
-      float* out_i = queries[i].out;
-      const int64_t tile_end = std::min(tile + kTile, queries[i].w_end);
-      if (tile > 0 && tile >= tile_end) continue;
-      F8 acc[kMaxChunks];
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = tile == 0 ? F8{} : Load8(out_i + 8 * c);
-      for (int64_t w = tile; w < tile_end; ++w) {
-        const float* __restrict v_w = v_base + w * stride;
-        for (int64_t c = 0; c < chunks; ++c) acc[c] += p_i[w] * Load8(v_w + 8 * c);
-      }
-      for (int64_t c = 0; c < chunks; ++c) std::memcpy(out_i + 8 * c, &acc[c], sizeof(F8));
-    }
+}
+
+// A query's output from its partials, in chunk order: with a_c = exp(top_c - top),
+// out = (sum_c a_c · acc_c) / (sum_c a_c · total_c).
+template <int64_t kH>
+static inline __attribute__((always_inline)) void MergeBody(const Query& query, int64_t h_run_time) {
+  constexpr int64_t kMaxChunks = (kH > 0 ? kH : kMaxHeadDim) / 8;
+  const int64_t h = kH > 0 ? kH : h_run_time;
+  const int64_t chunks = h / 8, n_chunks = (query.w_end + kChunk - 1) / kChunk;
+  float top = std::numeric_limits<float>::lowest();
+  for (int64_t c = 0; c < n_chunks; ++c) top = std::max(top, query.partials[c * PartialSize(h)]);
+  F8 acc[kMaxChunks] = {};
+  float total = 0.0f;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const float* partial = query.partials + c * PartialSize(h);
+    const float a = ExpNonPositive(partial[0] - top);
+    total += a * partial[1];
+    for (int64_t m = 0; m < chunks; ++m) acc[m] += a * Load8(partial + kPartialHeader + 8 * m);
+  }
+  const float inverse = 1.0f / total;
+  for (int64_t m = 0; m < chunks; ++m) {
+    const F8 o = acc[m] * inverse;
+    std::memcpy(query.out + 8 * m, &o, sizeof o);
   }
 }
 
@@ -217,41 +286,52 @@ static inline __attribute__((always_inline)) void AttendBody(const Query* querie
 #define JAXSPEC_CLONES
 #endif
 #define JAXSPEC_ATTEND_ARGS \
-  const Query *queries, int64_t count, int64_t stride, int64_t h, float scale, int64_t w_pad, float *scores
-#define JAXSPEC_ATTEND_CALL queries, count, stride, h, scale, w_pad, scores
+  const Query *queries, int64_t count, int64_t c, int64_t stride, int64_t h, float scale, float *scores
+#define JAXSPEC_ATTEND_CALL queries, count, c, stride, h, scale, scores
 
-JAXSPEC_CLONES void AttendH64(JAXSPEC_ATTEND_ARGS) {
-  AttendBody<64>(JAXSPEC_ATTEND_CALL);
+JAXSPEC_CLONES void AttendChunkH64(JAXSPEC_ATTEND_ARGS) {
+  AttendChunkBody<64>(JAXSPEC_ATTEND_CALL);
 }
-JAXSPEC_CLONES void AttendH128(JAXSPEC_ATTEND_ARGS) {
-  AttendBody<128>(JAXSPEC_ATTEND_CALL);
+JAXSPEC_CLONES void AttendChunkH128(JAXSPEC_ATTEND_ARGS) {
+  AttendChunkBody<128>(JAXSPEC_ATTEND_CALL);
 }
-JAXSPEC_CLONES void AttendAnyH(JAXSPEC_ATTEND_ARGS) {
-  AttendBody<0>(JAXSPEC_ATTEND_CALL);
+JAXSPEC_CLONES void AttendChunkAnyH(JAXSPEC_ATTEND_ARGS) {
+  AttendChunkBody<0>(JAXSPEC_ATTEND_CALL);
 }
+JAXSPEC_CLONES void MergeH64(const Query& query, int64_t h) { MergeBody<64>(query, h); }
+JAXSPEC_CLONES void MergeH128(const Query& query, int64_t h) { MergeBody<128>(query, h); }
+JAXSPEC_CLONES void MergeAnyH(const Query& query, int64_t h) { MergeBody<0>(query, h); }
 
-// The queries of one call, ordered by (row, kv head) and cut into units of queries that share one kv head
-// of one slot; the calling thread and XLA's intra-op pool claim units one at a time. It lives on the heap,
-// shared by every task: a task the pool starts after the call returned finds no unit left and touches
-// nothing else.
+// The work of one call. Its queries are ordered by (row, kv head, token, query head); a piece is a run of
+// queries of one row, and a unit is (piece, chunk). The calling thread and XLA's intra-op pool claim units one
+// at a time; then the calling thread merges every query's partials. It lives on the heap, shared by every
+// task: a task the pool starts after the call returned finds no unit left and touches nothing else.
 struct SharedWork {
   std::vector<Query> queries;
-  std::vector<int64_t> unit_starts;  // unit u is queries[unit_starts[u], unit_starts[u + 1])
-  int64_t stride, w_pad, h, largest_unit;
+  std::vector<int64_t> piece_starts;  // piece p is queries[piece_starts[p], piece_starts[p + 1])
+  std::vector<int64_t> unit_pieces, unit_chunks;  // unit u is (piece unit_pieces[u], chunk unit_chunks[u])
+  std::vector<float> partials;  // [queries, chunks of the window, PartialSize(H)]
+  int64_t stride, h, largest_piece;
   float scale;
   std::atomic<int64_t> next_unit{0};
   std::atomic<int64_t> units_done{0};
 
-  int64_t units() const { return static_cast<int64_t>(unit_starts.size()) - 1; }
+  int64_t units() const { return static_cast<int64_t>(unit_pieces.size()); }
 
   void Run() {
-    const auto attend = h == 64 ? AttendH64 : h == 128 ? AttendH128 : AttendAnyH;
-    std::vector<float> scores(static_cast<size_t>(largest_unit * w_pad));  // [unit queries, w_pad]
+    const auto attend = h == 64 ? AttendChunkH64 : h == 128 ? AttendChunkH128 : AttendChunkAnyH;
+    std::vector<float> scores(static_cast<size_t>(largest_piece * kChunk));  // [piece queries, kChunk]
     for (int64_t u = next_unit.fetch_add(1); u < units(); u = next_unit.fetch_add(1)) {
-      attend(queries.data() + unit_starts[u], unit_starts[u + 1] - unit_starts[u], stride, h, scale, w_pad,
-             scores.data());
+      const int64_t p = unit_pieces[u];
+      attend(queries.data() + piece_starts[p], piece_starts[p + 1] - piece_starts[p], unit_chunks[u], stride, h,
+             scale, scores.data());
       units_done.fetch_add(1, std::memory_order_release);
     }
+  }
+
+  void Merge() const {
+    const auto merge = h == 64 ? MergeH64 : h == 128 ? MergeH128 : MergeAnyH;
+    for (const Query& query : queries) merge(query, h);
   }
 };
 
@@ -273,53 +353,71 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       slots.element_count() != static_cast<size_t>(b_rows)) {
     return ffi::Error::InvalidArgument("cache_attention: shapes do not agree");
   }
-  const int64_t r_per_group = n_heads / g_heads;
-  auto work = std::make_shared<SharedWork>();
-  work->stride = g_heads * h_dim;  // floats between consecutive positions of one slot
-  work->w_pad = (w_len + 7) / 8 * 8;
-  work->h = h_dim;
-  work->scale = 1.0f / std::sqrt(static_cast<float>(h_dim));
-  std::vector<int64_t> w_ends(static_cast<size_t>(b_rows * t_len));  // per query token, shared by its N heads
-  int64_t pairs = 0;  // (query, position) pairs the call attends
-  for (int64_t bt = 0; bt < b_rows * t_len; ++bt) {
-    w_ends[bt] = AttendedPositions(mask.typed_data() + bt * w_len, w_len);
-    pairs += w_ends[bt] * n_heads;
-  }
-  // units: each (row, kv head) group of T·R queries, cut into pieces (about two units per thread: the caller
-  // and the pool's) when there are fewer groups than that and the group is large
-  const int64_t group_size = t_len * r_per_group;
-  const int64_t threads = pairs < kPairsWorthAThread ? 1 : 1 + std::max<int64_t>(0, pool.num_threads());
-  const int64_t groups = b_rows * g_heads;
-  const int64_t pieces = group_size < kQueriesWorthASplit
-                             ? 1
-                             : std::min(group_size, std::max<int64_t>(1, (2 * threads + groups - 1) / groups));
-  const int64_t piece_size = (group_size + pieces - 1) / pieces;
-  work->largest_unit = piece_size;
-  work->queries.reserve(static_cast<size_t>(b_rows * t_len * n_heads));
   for (int64_t b = 0; b < b_rows; ++b) {
     const int64_t slot = slots.typed_data()[b];
     if (slot < 0 || slot >= s_slots) {
       return ffi::Error::InvalidArgument("cache_attention: slot id " + std::to_string(slot) + " outside the cache");
     }
+  }
+  const int64_t r_per_group = n_heads / g_heads;
+  const int64_t window_chunks = (w_len + kChunk - 1) / kChunk;
+  auto work = std::make_shared<SharedWork>();
+  work->stride = g_heads * h_dim;  // floats between consecutive positions of one slot
+  work->h = h_dim;
+  work->scale = 1.0f / std::sqrt(static_cast<float>(h_dim));
+  std::vector<int64_t> w_ends(static_cast<size_t>(b_rows * t_len));  // per query token, shared by its N heads
+  std::vector<int64_t> row_chunks(static_cast<size_t>(b_rows), 0);  // chunks any token of the row attends
+  int64_t pairs = 0;  // (query, position) pairs the call attends
+  for (int64_t bt = 0; bt < b_rows * t_len; ++bt) {
+    w_ends[bt] = AttendedPositions(mask.typed_data() + bt * w_len, w_len);
+    pairs += w_ends[bt] * n_heads;
+    row_chunks[bt / t_len] = std::max(row_chunks[bt / t_len], (w_ends[bt] + kChunk - 1) / kChunk);
+  }
+  int64_t group_chunks = 0;  // (row, chunk) pairs: the units before cutting rows into pieces
+  for (int64_t chunks : row_chunks) group_chunks += chunks;
+  // the workers: the calling thread and pool threads, one per pool thread in all (the pool has a thread per
+  // core, and the caller takes one); a row of T·N queries is cut into pieces (about two units per worker)
+  // when there are fewer (row, chunk) units than that and the row is large
+  const int64_t group_size = t_len * n_heads;
+  const int64_t threads = pairs < kPairsWorthAThread ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t pieces = threads == 1 || group_size < kQueriesWorthASplit
+                             ? 1
+                             : std::min(group_size, std::max<int64_t>(1, (2 * threads + group_chunks - 1) / group_chunks));
+  const int64_t piece_size = (group_size + pieces - 1) / pieces;
+  work->largest_piece = piece_size;
+  const int64_t queries = b_rows * t_len * n_heads;
+  work->partials.resize(static_cast<size_t>(queries * window_chunks * PartialSize(h_dim)));
+  work->queries.reserve(static_cast<size_t>(queries));
+  for (int64_t b = 0; b < b_rows; ++b) {
+    const int64_t slot = slots.typed_data()[b];
+    const float* k_slot = k_cache.typed_data() + slot * m_len * g_heads * h_dim;
+    const float* v_slot = v_cache.typed_data() + slot * m_len * g_heads * h_dim;
     for (int64_t g = 0; g < g_heads; ++g) {
-      const int64_t first = (slot * m_len * g_heads + g) * h_dim;  // position 0 of kv head g in the slot
-      for (int64_t j = 0; j < group_size; ++j) {  // query head n = g·R + r reads kv head g
+      for (int64_t j = 0; j < t_len * r_per_group; ++j) {  // query head n = g·R + r reads kv head g
         const int64_t t = j / r_per_group, n = g * r_per_group + j % r_per_group;
-        if (j % piece_size == 0) work->unit_starts.push_back(static_cast<int64_t>(work->queries.size()));
+        const int64_t index = static_cast<int64_t>(work->queries.size());
+        if ((g * t_len * r_per_group + j) % piece_size == 0) {  // a new piece: one unit per chunk its row attends
+          for (int64_t c = 0; c < row_chunks[b]; ++c) {
+            work->unit_pieces.push_back(static_cast<int64_t>(work->piece_starts.size()));
+            work->unit_chunks.push_back(c);
+          }
+          work->piece_starts.push_back(index);
+        }
         const bool* sees = mask.typed_data() + (b * t_len + t) * w_len;  // shared by the N heads
         const int64_t row = (b * t_len + t) * n_heads + n;
         work->queries.push_back(Query{q.typed_data() + row * h_dim, sees, out->typed_data() + row * h_dim,
-                                      k_cache.typed_data() + first, v_cache.typed_data() + first,
-                                      w_ends[b * t_len + t]});
+                                      k_slot + g * h_dim, v_slot + g * h_dim, k_slot, v_slot, w_ends[b * t_len + t],
+                                      work->partials.data() + index * window_chunks * PartialSize(h_dim)});
       }
     }
   }
-  work->unit_starts.push_back(static_cast<int64_t>(work->queries.size()));
+  work->piece_starts.push_back(static_cast<int64_t>(work->queries.size()));
   const int64_t units = work->units();
   for (int64_t i = 0; i < std::min(threads - 1, units - 1); ++i) pool.Schedule([work] { work->Run(); });
   work->Run();
-  // every unit is claimed now, each by a thread that is running it: wait for those to finish
+  // every unit is claimed now, each by a worker that is running it: wait for those to finish, then merge
   while (work->units_done.load(std::memory_order_acquire) < units) std::this_thread::yield();
+  work->Merge();
   return ffi::Error::Success();
 }
 

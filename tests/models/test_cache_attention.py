@@ -30,8 +30,15 @@ def _case(b: int, t: int, w: int, n: int, g: int, h: int, mask_kind: str, seed: 
     if mask_kind == "causal":  # history up to a per-row start, then causal over the T new tokens
         start = rng.integers(0, w - t + 1, size=b)
         mask = np.arange(w)[None, None, :] <= start[:, None, None] + np.arange(t)[None, :, None]
-    else:  # arbitrary (a token tree's), with one query that sees nothing
+    elif mask_kind == "arbitrary":  # a token tree's, with one query that sees nothing
         mask = rng.random((b, t, w)) < 0.5
+        mask[0, 0] = False
+    else:  # "gaps": arbitrary, with whole runs of 128 positions (the kernel's chunks) seen by no query of a row
+        mask = rng.random((b, t, w)) < 0.5
+        for row in range(b):
+            for first in range(0, w, 128):
+                if rng.random() < 0.5:
+                    mask[row, :, first:first + 128] = False
         mask[0, 0] = False
     return q, k, v, slots, jnp.asarray(mask)
 
@@ -46,8 +53,9 @@ def _xla_form(q, k, v, slots, mask):
     (3, 9, 96, 9, 3, 64),     # a verify of 8 proposals, three rows
     (2, 5, 48, 4, 4, 128),    # R = 1, Qwen-sized head dim
     (2, 3, 40, 6, 2, 24),     # a head dim the kernel takes at run time (16 + 8)
+    (2, 4, 520, 9, 3, 64),    # a window of several chunks (128 positions) and a partial one
 ])
-@pytest.mark.parametrize("mask_kind", ["causal", "arbitrary"])
+@pytest.mark.parametrize("mask_kind", ["causal", "arbitrary", "gaps"])
 def test_kernel_equals_the_xla_form(b, t, w, n, g, h, mask_kind):
     args = _case(b, t, w, n, g, h, mask_kind)
     got = np.asarray(jax.jit(cache_attention)(*args))
@@ -55,13 +63,17 @@ def test_kernel_equals_the_xla_form(b, t, w, n, g, h, mask_kind):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
-def test_each_query_row_is_independent_of_the_rest_of_the_call():
+@pytest.mark.parametrize("w", [640, 200])
+def test_each_query_row_is_independent_of_the_rest_of_the_call(w):
     """A row's output is bit for bit the same computed alone or in a batch of rows and tokens (what a
-    query sees, not how the call is split over threads, decides it). The batch is large enough (~70k
-    query-position pairs) to be split over XLA's threads; a single token is not."""
-    q, k, v, slots, mask = _case(3, 9, 640, 9, 3, 64, "causal", seed=3)
+    query sees, not how the call is split, decides it). The W = 640 batch (~41k query-position pairs) is
+    split over XLA's threads by chunks of positions, the W = 200 batch (~13k) and its first row alone
+    into pieces of queries; single tokens stay on one thread, over up to three chunks."""
+    q, k, v, slots, mask = _case(3, 9, w, 9, 3, 64, "causal", seed=3)
     together = np.asarray(jax.jit(cache_attention)(q, k, v, slots, mask))
     for row in range(3):
+        one_row = jax.jit(cache_attention)(q[row:row + 1], k, v, slots[row:row + 1], mask[row:row + 1])
+        np.testing.assert_array_equal(np.asarray(one_row)[0], together[row])
         for t in (0, 8):
             alone = jax.jit(cache_attention)(q[row:row + 1, t:t + 1], k, v, slots[row:row + 1],
                                              mask[row:row + 1, t:t + 1])
