@@ -171,8 +171,8 @@ static inline __attribute__((always_inline)) void Prefetch(const float* p, int64
   for (int64_t f = 0; f < h; f += 16) __builtin_prefetch(p + f, 0, 3);
 }
 
-// Attend queries[0, count), which share one row's slot (each reads its kv head at k, v; stride), over chunk c (positions
-// [c·kChunk, (c + 1)·kChunk) ∩ [0, w_end)), writing each attending query's partial for the chunk.
+// Attend queries[0, count), which share one row's slot (each reads its kv head at k, v; stride), over chunk c
+// (positions [c·kChunk, (c + 1)·kChunk) ∩ [0, w_end)), writing each attending query's partial for the chunk.
 // scores is scratch [count, kChunk]. kH > 0 fixes the head dim at compile time (the query and the
 // accumulator live in registers); kH = 0 takes it at run time. Each query is computed on its own, by the same
 // operations in the same order, whatever B, T, the other queries or the split over threads are.
@@ -359,7 +359,7 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       return ffi::Error::InvalidArgument("cache_attention: slot id " + std::to_string(slot) + " outside the cache");
     }
   }
-  const int64_t r_per_group = n_heads / g_heads;
+  const int64_t r_per_kv_head = n_heads / g_heads;
   const int64_t window_chunks = (w_len + kChunk - 1) / kChunk;
   auto work = std::make_shared<SharedWork>();
   work->stride = g_heads * h_dim;  // floats between consecutive positions of one slot
@@ -373,17 +373,17 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     pairs += w_ends[bt] * n_heads;
     row_chunks[bt / t_len] = std::max(row_chunks[bt / t_len], (w_ends[bt] + kChunk - 1) / kChunk);
   }
-  int64_t group_chunks = 0;  // (row, chunk) pairs: the units before cutting rows into pieces
-  for (int64_t chunks : row_chunks) group_chunks += chunks;
+  int64_t row_units = 0;  // (row, chunk) pairs: the units before rows are cut into pieces
+  for (int64_t chunks : row_chunks) row_units += chunks;
   // the workers: the calling thread and pool threads, one per pool thread in all (the pool has a thread per
   // core, and the caller takes one); a row of T·N queries is cut into pieces (about two units per worker)
   // when there are fewer (row, chunk) units than that and the row is large
-  const int64_t group_size = t_len * n_heads;
+  const int64_t row_queries = t_len * n_heads;
   const int64_t threads = pairs < kPairsWorthAThread ? 1 : std::max<int64_t>(1, pool.num_threads());
-  const int64_t pieces = threads == 1 || group_size < kQueriesWorthASplit
+  const int64_t pieces = threads == 1 || row_queries < kQueriesWorthASplit
                              ? 1
-                             : std::min(group_size, std::max<int64_t>(1, (2 * threads + group_chunks - 1) / group_chunks));
-  const int64_t piece_size = (group_size + pieces - 1) / pieces;
+                             : std::min(row_queries, std::max<int64_t>(1, (2 * threads + row_units - 1) / row_units));
+  const int64_t piece_size = (row_queries + pieces - 1) / pieces;
   work->largest_piece = piece_size;
   const int64_t queries = b_rows * t_len * n_heads;
   work->partials.resize(static_cast<size_t>(queries * window_chunks * PartialSize(h_dim)));
@@ -393,10 +393,10 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     const float* k_slot = k_cache.typed_data() + slot * m_len * g_heads * h_dim;
     const float* v_slot = v_cache.typed_data() + slot * m_len * g_heads * h_dim;
     for (int64_t g = 0; g < g_heads; ++g) {
-      for (int64_t j = 0; j < t_len * r_per_group; ++j) {  // query head n = g·R + r reads kv head g
-        const int64_t t = j / r_per_group, n = g * r_per_group + j % r_per_group;
+      for (int64_t j = 0; j < t_len * r_per_kv_head; ++j) {  // query head n = g·R + r reads kv head g
+        const int64_t t = j / r_per_kv_head, n = g * r_per_kv_head + j % r_per_kv_head;
         const int64_t index = static_cast<int64_t>(work->queries.size());
-        if ((g * t_len * r_per_group + j) % piece_size == 0) {  // a new piece: one unit per chunk its row attends
+        if ((g * t_len * r_per_kv_head + j) % piece_size == 0) {  // a new piece: one unit per chunk its row attends
           for (int64_t c = 0; c < row_chunks[b]; ++c) {
             work->unit_pieces.push_back(static_cast<int64_t>(work->piece_starts.size()));
             work->unit_chunks.push_back(c);
