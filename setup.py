@@ -1,6 +1,6 @@
-"""Builds the one compiled part of jaxspec: the XLA:CPU cache-attention kernel (models/csrc/cache_attention.cc).
+"""Builds the compiled parts of jaxspec: the XLA:CPU kernels in models/csrc (cache attention, panel matmul).
 
-Everything else is declared in pyproject.toml. The kernel is an XLA FFI handler, so it compiles against the
+Everything else is declared in pyproject.toml. The kernels are XLA FFI handlers, so they compile against the
 headers that ship inside jaxlib (the build requirement pinned in pyproject.toml to the runtime's jaxlib).
 """
 
@@ -10,10 +10,10 @@ import jaxlib
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
-    "models._cache_attention",
-    sources=["models/csrc/cache_attention.cc"],
+    f"models._{name}",
+    sources=[f"models/csrc/{name}.cc"],
     include_dirs=[os.path.join(os.path.dirname(jaxlib.__file__), "include")],
     language="c++",
     extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=fast", "-fno-trapping-math",
                         "-Wno-attributes", "-Wno-return-type", "-Wno-psabi"],
-)])
+) for name in ("cache_attention", "panel_matmul")])

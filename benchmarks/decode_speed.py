@@ -6,9 +6,11 @@ The floor is the bare matmul chain of the model's own serving weights (`jaxspec.
 same matmuls at the same shapes over the same placed arrays, nothing else, jitted, at T = k + 1.
 The engine's compiled step executable is timed alone at every (k, W) of the menu at B = 1 next to
 it, in the same process, and the table reports engine / bare (with the machine load before and
-after each row: numbers taken above a load of about 1 on a 2-core machine are distorted). `--xla-form`
-adds a second engine built to attend in the XLA form (`models.cache_attention.xla_form_only`),
-alternated with the first: what the in-place cache-attention kernel buys on XLA:CPU.
+after each row: numbers taken above a load of about 1 on a 2-core machine are distorted). Where the
+engine's weights are column panels (`models.panel_matmul`, XLA:CPU) the table also times the chain with
+XLA's dot. `--xla-form` adds a second engine, the model loaded again under
+`models.cache_attention.xla_form_only` (XLA's weight layout and attention form), alternated with the
+first: what this project's XLA:CPU kernels buy.
 Both engines decode the same prompt greedily in the same process, alternating, `--repeats` times
 (medians reported, every repeat kept); prefill is excluded on both sides; the outputs are compared
 token for token (--skip-hf leaves transformers out). `--prompt-lookup K` adds the same comparison with
@@ -109,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-lookup", type=int, default=0, metavar="K",
                         help="also compare prompt lookup of K tokens on both sides on a copying prompt (K in --k-menu)")
     parser.add_argument("--xla-form", action="store_true",
-                        help="also time each step compiled with attention in the XLA form (a second engine, "
-                             "alternated): what the in-place cache-attention kernel buys on XLA:CPU")
+                        help="also time each step of a second engine (the model loaded again) in the XLA form, "
+                             "alternated: attention and matmuls without this project's XLA:CPU kernels")
     parser.add_argument("--out", type=Path, default=Path("docs/results/decode_speed.json"))
     args = parser.parse_args(argv)
     if args.prompt_lookup and args.prompt_lookup not in args.k_menu:
@@ -131,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     engine.warmup(progress=False)
     reference = None
     if args.xla_form:
-        with xla_form_only():  # the engine keeps the XLA form for everything it compiles
-            reference = Engine(built.model, build_proposer("ngram", built.model) if proposer else None, menu)
+        with xla_form_only():  # XLA's weight layout (a second load) and the XLA form in everything it compiles
+            ref_model = build_model(args.model, dtype=args.dtype).model
+            reference = Engine(ref_model, build_proposer("ngram", ref_model) if proposer else None, menu)
         reference.warmup(progress=False)
     load_before = load()
     rows = step_vs_bare(engine, repeats=args.step_repeats, reference=reference)

@@ -9,8 +9,9 @@ whole window) and the bare chain at T = k + 1 (`jaxspec/floor.py`) are each run
 `--calls` times under `jax.profiler` (a perfetto trace). Every traced kernel is matched by name to an
 instruction of its program's optimised HLO and summed per (category, kernel kind, output shape):
 
-    weight matmul  a dot or dot fusion whose output is [T, X] (or [X, T]) with X a serving weight's output
-                   width (fused qkv, D, fused gate/up, V): what the bare chain also does
+    weight matmul  the panel matmul kernel (models/panel_matmul.py), or a dot or dot fusion whose output is
+                   [T, X] (or [X, T]) with X a serving weight's output width (fused qkv, D, fused gate/up, V):
+                   what the bare chain also does
     attention      the cache-attention kernel (models/cache_attention.py), or in the XLA form the other dot
                    fusions and the window copies (dynamic slices of the cache)
     other          everything else (norms, RoPE, cache writes, residual adds, verify and state updates)
@@ -41,6 +42,8 @@ from jaxspec.floor import bare_chain, hold_context, interleaved_medians, load, s
 from jaxspec.menu import Menu, StepKey
 from jaxspec.types import SamplingParams
 from models.cache_attention import TARGET as CACHE_ATTENTION
+from models.panel_matmul import TARGET as PANEL_MATMUL
+from models.panel_matmul import PanelWeight
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (\S+) (\S+?)\(", re.M)
 _FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
@@ -98,11 +101,17 @@ def breakdown(per_kernel: dict[str, float], hlo: str, t: int, weight_widths: set
     """Rows {category, kind, shape, ms, count} per (category, kernel kind, output shape), slowest first."""
     kernels = entry_kernels(hlo)
     in_place = set(re.findall(r'%(\S+) = [^\n]*custom_call_target="' + CACHE_ATTENTION + '"', hlo))
+    panels = set(re.findall(r'%(\S+) = [^\n]*custom_call_target="' + PANEL_MATMUL + '"', hlo))
     rows: dict[tuple, dict] = {}
     for name, ms in per_kernel.items():
         opcode, shape = kernels[name]
-        kind = "cache attention kernel" if name in in_place else re.sub(r"\.\d+$", "", name)
-        key = ("attention" if name in in_place else category(opcode, name, shape, t, weight_widths), kind, shape)
+        if name in in_place:
+            kind, group = "cache attention kernel", "attention"
+        elif name in panels:
+            kind, group = "panel matmul kernel", "weight matmul"
+        else:
+            kind, group = re.sub(r"\.\d+$", "", name), category(opcode, name, shape, t, weight_widths)
+        key = (group, kind, shape)
         row = rows.setdefault(key, {"category": key[0], "kind": kind, "shape": shape, "ms": 0.0, "count": 0})
         row["ms"] += ms
         row["count"] += 1
@@ -125,7 +134,8 @@ def trace_step(model, k: int, window: int, calls: int) -> dict:
     engine.warmup(progress=False)
     engine.prefill(0, [2 + i % 7 for i in range(8)], SamplingParams(temperature=0.0))
     c = engine.model_config
-    widths = {engine.placed_weights()[1][0]["wqkv"].size // c.hidden_size, c.hidden_size,
+    wqkv = engine.placed_weights()[1][0]["wqkv"]
+    widths = {wqkv.n_len if isinstance(wqkv, PanelWeight) else wqkv.size // c.hidden_size, c.hidden_size,
               2 * c.intermediate_size, c.vocab_size}
     run_step, hold = step_call(engine, k, window), hold_context(engine, window - (k + 1))
 

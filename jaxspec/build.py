@@ -25,7 +25,7 @@ from models.feature_draft import FeatureDraft
 from models.llama import Llama, from_hf_state_dict, is_serving_only, random_model, to_hf_state_dict
 from models.loading import ModelLoadError, TextTokenizer, resolve_model
 from models.loading.streaming import stream_model, streamed_source
-from models.sharding import Placement, plan_layout, replicated_layout
+from models.sharding import Placement, TensorParallelLayout, plan_layout, replicated_layout, serving_placement
 
 PROPOSERS = ("none", "draft", "ngram")
 
@@ -63,8 +63,8 @@ def build_model(spec: str | None, seed: int = 0, dtype: str = "float32", mesh: M
 def _placement(mesh: MeshSpec, tensor_parallel: bool) -> Callable[[ModelConfig], Placement]:
     """Where a loaded model's serving weights go: split over `model` (plan_layout) or replicated."""
     if not tensor_parallel:
-        return lambda config: Placement(make_mesh(mesh), replicated_layout(config, mesh.model))
-    return lambda config: Placement(make_mesh(mesh), plan_layout(config, mesh.model))
+        return lambda config: serving_placement(make_mesh(mesh), replicated_layout(config, mesh.model), config.dtype)
+    return lambda config: serving_placement(make_mesh(mesh), plan_layout(config, mesh.model), config.dtype)
 
 
 def truncated_copy(target: Llama, num_layers: int, mesh: MeshSpec = MeshSpec()) -> Llama:
@@ -79,7 +79,8 @@ def truncated_copy(target: Llama, num_layers: int, mesh: MeshSpec = MeshSpec()) 
         source = streamed_source(target)
         if source is None:
             raise ValueError(f"{target.config.name} is serving-only but was not streamed from a file")
-        return stream_model(source, target.config.dtype, Placement(make_mesh(mesh)), num_layers=num_layers,
+        placement = serving_placement(make_mesh(mesh), TensorParallelLayout(), target.config.dtype)
+        return stream_model(source, target.config.dtype, placement, num_layers=num_layers,
                             name=name).model
     config = target.config.replace(name=name, num_layers=num_layers)
     return from_hf_state_dict(config, to_hf_state_dict(target))

@@ -44,7 +44,7 @@ from jaxspec.verify import RESIDUAL_KEY, verify, verify_tree
 from models.cache_attention import kernel_allowed, reads_cache_in_place
 from models.kv_cache import init_cache
 from models.llama import Llama, StepInputs, chain_inputs, serving_split
-from models.sharding import Placement, cache_spec, padded_slots, plan_layout, replicated_layout
+from models.sharding import cache_spec, padded_slots, plan_layout, replicated_layout, serving_placement
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -132,13 +132,16 @@ class Engine:
         self.mesh = make_mesh(mesh)
         layout = plan_layout(target.config, mesh.model)
         self.sharding_notes = layout.notes
-        self._placement = Placement(self.mesh, layout)
+        # the layers' matmul weights as column panels on XLA:CPU (models/panel_matmul.py; docs/design.md,
+        # "Matmuls on XLA:CPU"): a model loaded for another placement is refused by serving_split
+        self._placement = serving_placement(self.mesh, layout, target.config.dtype)
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self._cache_config = target.config.replace(num_kv_heads=layout.kv_heads_for(target.config))
         # per-layer weight arrays (unrolled layers, no per-step slice copies), stored once
         self._graphdef, self._params = serving_split(target, self._placement)
         # the proposer's layers are replicated (small); an embedding it shares with the target stays the target's
-        self.proposer_placement = Placement(self.mesh, replicated_layout(target.config, mesh.model))
+        self.proposer_placement = serving_placement(self.mesh, replicated_layout(target.config, mesh.model),
+                                                    target.config.dtype)
         self._proposer_params = self.proposer.params(self.proposer_placement)
         self._executables: dict[ShapeKey, Callable] = {}
         self.lengths = np.zeros(menu.num_slots, np.int64)  # host mirror of committed lengths

@@ -5,7 +5,9 @@
 B = 1, with the serving shapes: per layer x @ wqkv [D, E], (first N·H columns) @ wo [N·H, D],
 @ w_gate_up [D, 2F], (first F columns) @ w_down [F, D], plus the residual adds, then the LM head
 (embed [V, D] when tied, else lm_head [D, V]). No norms, RoPE, attention, cache, sampling or state:
-it reads every serving weight once, which is what a decode step cannot avoid.
+it reads every serving weight once, which is what a decode step cannot avoid. Its matmuls are the
+engine's own (column panels on XLA:CPU, `models.panel_matmul`); where they are panels the table also
+times the chain with XLA's dot over plain copies of the weights.
 
 `step_vs_bare(engine, ...)` times, in one process and one run, the engine's compiled step executable
 alone (called the way `Engine.step` calls it, block_until_ready, no host bookkeeping) at every
@@ -30,6 +32,7 @@ import numpy as np
 from jaxspec.menu import StepKey
 from jaxspec.types import SamplingParams
 from models.kv_cache import cache_bytes
+from models.panel_matmul import PanelWeight, panel_matmul, unpack_panels
 
 
 def load() -> str:
@@ -38,26 +41,43 @@ def load() -> str:
     return f"load {one:.2f} (5 min {five:.2f}) on {os.cpu_count()} cores"
 
 
-def bare_chain(engine, t: int):
-    """(fn, args): fn(args) runs the bare matmul chain of t tokens at B = 1 over the engine's weights."""
+def bare_chain(engine, t: int, xla_dot: bool = False):
+    """(fn, args): fn(args) runs the bare matmul chain of t tokens at B = 1 over the engine's weights.
+
+    The matmuls take the engine's own form: column panels (`models.panel_matmul`) where its weights are
+    stored so, XLA's dot otherwise. `xla_dot`: XLA's dot over plain [K, N] copies of panel weights instead
+    (what the same chain costs without the panel kernel; a copy of every layer's weights)."""
     top, layers = engine.placed_weights()
     c = engine.model_config
     nh, f = c.num_heads * c.head_dim, c.intermediate_size
-    # the serving arrays reshaped to 2-D matrices (row-major bitcasts, no copies)
-    mats = tuple((p["wqkv"].reshape(c.hidden_size, -1), p["wo"].reshape(nh, c.hidden_size),
-                  p["w_gate_up"].reshape(c.hidden_size, -1), p["w_down"]) for p in layers)
+
+    def matrix(w, k: int):  # a serving weight as a [K, N] operand: panels as they are (or unpacked), else a bitcast
+        if isinstance(w, PanelWeight):
+            return unpack_panels(w).reshape(w.k_len, -1) if xla_dot else w
+        return w.reshape(k, -1)
+
+    def times(x, w):  # x [T, K] @ w -> [T, N]
+        return panel_matmul(x, w).reshape(x.shape[0], -1) if isinstance(w, PanelWeight) else x @ w
+
+    mats = tuple((matrix(p["wqkv"], c.hidden_size), matrix(p["wo"], nh), matrix(p["w_gate_up"], c.hidden_size),
+                  matrix(p["w_down"], f)) for p in layers)
     head = top["embed"] if c.tie_embeddings else top["lm_head"]
 
     def chain(x, mats, head):
         for wqkv, wo, w_gate_up, w_down in mats:  # x: [T, D]
-            a = (x @ wqkv)[:, :nh]  # [T, N·H]
-            x = x + a @ wo  # [T, D]
-            g = (x @ w_gate_up)[:, :f]  # [T, F]
-            x = x + g @ w_down  # [T, D]
+            a = times(x, wqkv)[:, :nh]  # [T, N·H]
+            x = x + times(a, wo)  # [T, D]
+            g = times(x, w_gate_up)[:, :f]  # [T, F]
+            x = x + times(g, w_down)  # [T, D]
         return x @ head.T if c.tie_embeddings else x @ head  # [T, V]
 
     x = jnp.ones((t, c.hidden_size), jnp.dtype(c.dtype)) * 0.01
     return jax.jit(chain), (x, mats, head)
+
+
+def uses_panels(engine) -> bool:
+    """Whether the engine's layer weights are column panels (then `step_vs_bare` also times XLA's dot chain)."""
+    return isinstance(engine.placed_weights()[1][0]["wqkv"], PanelWeight)
 
 
 def interleaved_medians(calls, repeats: int, prepares=None) -> list[float]:
@@ -79,9 +99,9 @@ def interleaved_medians(calls, repeats: int, prepares=None) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def bare_call(engine, t: int):
+def bare_call(engine, t: int, xla_dot: bool = False):
     """A no-argument call of the compiled bare chain at T = t (blocks until done)."""
-    fn, args = bare_chain(engine, t)
+    fn, args = bare_chain(engine, t, xla_dot)
     compiled = fn.lower(*args).compile()
     return lambda: compiled(*args).block_until_ready()
 
@@ -131,18 +151,23 @@ def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8, reference=None)
         e.reset()
         e.prefill(0, [2 + i % 7 for i in range(prompt_len)], SamplingParams(temperature=0.0))
     bare = {k: bare_call(engine, k + 1) for k in engine.menu.k_menu}
+    xla_bare = {k: bare_call(engine, k + 1, xla_dot=True) for k in engine.menu.k_menu} if uses_panels(engine) else {}
     rows = []
     for k in engine.menu.k_menu:
         for window in engine.menu.window_buckets:
             before = load()
             context = max(0, window - (k + 1))  # the step's queries see the whole window
-            times = interleaved_medians([bare[k]] + [step_call(e, k, window) for e in engines], repeats,
-                                        prepares=[None] + [hold_context(e, context) for e in engines])
+            extra = [xla_bare[k]] if xla_bare else []
+            times = interleaved_medians([bare[k]] + [step_call(e, k, window) for e in engines] + extra, repeats,
+                                        prepares=[None] + [hold_context(e, context) for e in engines]
+                                        + [None] * len(extra))
             bare_s, step_s = times[0], times[1]
             row = {"k": k, "W": window, "T": k + 1, "engine_ms": step_s * 1e3, "bare_ms": bare_s * 1e3,
                    "ratio": step_s / bare_s}
             if reference is not None:
                 row.update(reference_ms=times[2] * 1e3, reference_ratio=times[2] / bare_s)
+            if xla_bare:  # the same chain with XLA's dot
+                row.update(xla_bare_ms=times[-1] * 1e3)
             rows.append(row | {"load_before": before, "load_after": load()})
     for e in engines:
         e.reset()
@@ -185,10 +210,12 @@ def weight_mb(engine) -> float:
 
 
 def format_rows(rows: list[dict]) -> str:
-    ref = "reference_ms" in rows[0]
+    ref, xla = "reference_ms" in rows[0], "xla_bare_ms" in rows[0]
     lines = [f"{'k':>3} {'W':>5} {'T':>3} {'engine ms':>10} {'bare ms':>9} {'ratio':>6}"
-             + (f" {'XLA-form ms':>12} {'ratio':>6}" if ref else "") + "  load"]
+             + (f" {'XLA-form ms':>12} {'ratio':>6}" if ref else "")
+             + (f" {'bare XLA-dot ms':>16}" if xla else "") + "  load"]
     lines += [f"{r['k']:>3} {r['W']:>5} {r['T']:>3} {r['engine_ms']:>10.2f} {r['bare_ms']:>9.2f} {r['ratio']:>6.2f}"
               + (f" {r['reference_ms']:>12.2f} {r['reference_ratio']:>6.2f}" if ref else "")
+              + (f" {r['xla_bare_ms']:>16.2f}" if xla else "")
               + f"  {r['load_before']} -> {r['load_after'].split(' (')[0]}" for r in rows]
     return "\n".join(lines)

@@ -39,6 +39,12 @@ def kernel_allowed(allowed: bool) -> Iterator[None]:
         _KERNEL_ALLOWED.reset(token)
 
 
+def kernels_enabled() -> bool:
+    """False inside `kernel_allowed(False)` (`xla_form_only`): models traced there attend in the XLA form,
+    and placements made there keep XLA's weight layout (`models.panel_matmul.uses_panel_weights`)."""
+    return _KERNEL_ALLOWED.get()
+
+
 def xla_form_only() -> contextlib.AbstractContextManager[None]:
     """`kernel_allowed(False)`: engines built and models traced in this block attend in the XLA form (the
     side-by-side reference in benchmarks/decode_speed.py and the kernel's tests)."""
@@ -50,7 +56,7 @@ def reads_cache_in_place(cache_k: jax.Array, t: int) -> bool:
     cache buffer like `cache_k` (a tracer is fine): float32 on an XLA:CPU backend, on one device (a
     cache split over a mesh keeps the XLA form, which the partitioner splits), a decode-sized T, and not
     inside `kernel_allowed(False)` (`xla_form_only`)."""
-    if not _KERNEL_ALLOWED.get():
+    if not kernels_enabled():
         return False
     mesh = jax.typeof(cache_k).sharding.mesh
     return (jax.default_backend() == "cpu" and cache_k.dtype == jnp.float32

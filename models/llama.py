@@ -1,7 +1,8 @@
 """Llama-family decoder in flax.nnx: Llama, SmolLM2, Qwen2 (qkv bias), Mistral.
 
 Weights are stored stacked along a leading layer axis. Serving runs the layers unrolled over
-per-layer arrays (`serving_split`, `fuse_layer`: each matmul reads its weights in place); a
+per-layer arrays (`serving_split`, `fuse_layer`: each matmul reads its weights in place; on XLA:CPU they are
+stored as column panels, `models.panel_matmul`); a
 `jax.lax.scan` over the stacked weights remains for training and tests (fast to compile).
 
 Dimension names (docs/design.md, "Dimension names"):
@@ -26,6 +27,7 @@ from jax.sharding import PartitionSpec as PS
 from models.cache_attention import cache_attention, reads_cache_in_place
 from models.config import ModelConfig
 from models.kv_cache import KVCache
+from models.panel_matmul import PanelWeight, dense
 from models.sharding import Placement, TensorParallelLayout
 
 # Names of the stacked per-layer weights, in a fixed order.
@@ -136,7 +138,8 @@ def is_serving_only(model: Llama) -> bool:
 
 def placement_name(placement: Placement) -> str:
     mesh = placement.mesh
-    return "one device" if mesh is None else ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    where = "one device" if mesh is None else ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    return where + (", column panels" if placement.panels else "")
 
 
 def fuse_layer(config: ModelConfig, w: dict[str, jax.Array], layout: TensorParallelLayout) -> dict[str, jax.Array]:
@@ -323,7 +326,7 @@ class Llama(nnx.Module):
         if "wqkv" in p:  # fused serving layout, P tensor-parallel groups (see fuse_layer)
             b, t, _ = h.shape
             groups, group_width = p["wqkv"].shape[1:]
-            qkv = jnp.einsum("BTD,DPE->BTPE", h, p["wqkv"])  # [B, T, P, E/P]
+            qkv = dense(h, p["wqkv"], "BTD,DPE->BTPE")  # [B, T, P, E/P]
             if c.qkv_bias:
                 qkv = qkv + p["bqkv"]  # + [P, E/P]
             nq = c.num_heads // groups * c.head_dim  # query columns per group
@@ -342,15 +345,16 @@ class Llama(nnx.Module):
         # one [B, T, N·H] x [N·H, D] matmul: the weight is read in place (a row-major reshape); with
         # the contraction over (N, H) as two dims XLA may transpose the whole weight every step instead
         b, t, n, hd = out.shape
-        x = x + jnp.einsum("BTE,ED->BTD", out.reshape(b, t, n * hd), p["wo"].reshape(n * hd, -1))  # [B, T, D]
+        wo = p["wo"] if isinstance(p["wo"], PanelWeight) else p["wo"].reshape(n * hd, -1)  # [N·H, D]
+        x = x + dense(out.reshape(b, t, n * hd), wo, "BTE,ED->BTD")  # [B, T, D]
         h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
         if "w_gate_up" in p:
-            gate_up = jnp.einsum("BTD,DPE->BTPE", h, p["w_gate_up"])  # [B, T, P, 2F/P]
+            gate_up = dense(h, p["w_gate_up"], "BTD,DPE->BTPE")  # [B, T, P, 2F/P]
             gate, up = (part.reshape(*h.shape[:2], -1) for part in jnp.split(gate_up, 2, axis=-1))  # 2 x [B, T, F]
         else:
             gate = jnp.einsum("BTD,DF->BTF", h, p["w_gate"])  # [B, T, F]
             up = jnp.einsum("BTD,DF->BTF", h, p["w_up"])  # [B, T, F]
-        x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, p["w_down"])  # [B, T, D]
+        x = x + dense(jax.nn.silu(gate) * up, p["w_down"], "BTF,FD->BTD")  # [B, T, D]
         return x, state
 
     def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable, carry_state, layers=None,

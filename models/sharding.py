@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from models.config import ModelConfig
+from models.panel_matmul import CONTRACTED_DIMS, PanelWeight, pack_panels, uses_panel_weights
 
 DATA, MODEL = "data", "model"  # mesh axis names
 
@@ -133,10 +134,13 @@ def cache_spec(tensor_parallel: bool) -> PS:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where arrays go: a mesh (None: jax's default device, no sharding) and a model's layout on it."""
+    """Where arrays go: a mesh (None: jax's default device, no sharding) and a model's layout on it.
+    `panels`: the layers' matmul weights are stored as column panels (`models.panel_matmul`; XLA:CPU,
+    float32, one device: `serving_placement` decides)."""
 
     mesh: Mesh | None = None
     layout: TensorParallelLayout = TensorParallelLayout()
+    panels: bool = False
 
     def sharding(self, spec: PS) -> jax.sharding.Sharding | None:
         return None if self.mesh is None else NamedSharding(self.mesh, spec)
@@ -154,9 +158,21 @@ class Placement:
         host = np.asarray(value)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-    def put_param(self, name: str, value) -> jax.Array:
+    def put_param(self, name: str, value) -> jax.Array | PanelWeight:
+        """A serving weight by its name, placed by its `param_spec`; a layer's matmul weight as a PanelWeight
+        when `panels`."""
+        if self.panels and name in CONTRACTED_DIMS:
+            panels, shape = pack_panels(value, CONTRACTED_DIMS[name])  # [Q, K, 64]
+            return PanelWeight(self.put(panels, PS()), shape)
         return self.put(value, param_spec(name, self.layout))
 
 
+def serving_placement(mesh: Mesh, layout: TensorParallelLayout, dtype) -> Placement:
+    """The placement of a model's serving weights of `dtype` on `mesh`: panels where `uses_panel_weights`."""
+    backend = mesh.devices.flat[0].platform
+    return Placement(mesh, layout, panels=uses_panel_weights(backend, dtype, mesh.size))
+
+
 __all__ = ["DATA", "MODEL", "Placement", "ShardingError", "TensorParallelLayout", "cache_spec",
-           "padded_slots", "param_spec", "plan_layout", "replicated_layout", "valid_model_sizes"]
+           "padded_slots", "param_spec", "plan_layout", "replicated_layout", "serving_placement",
+           "valid_model_sizes"]

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import Engine
-from jaxspec.floor import bare_chain, kv_window_mb, step_vs_bare, window_growth
+from jaxspec.floor import bare_chain, kv_window_mb, step_vs_bare, uses_panels, window_growth
 from jaxspec.menu import Menu
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from models.panel_matmul import PanelWeight, unpack_panels
 
 
 @pytest.fixture(scope="module")
@@ -19,14 +20,24 @@ def engine(tiny_model):
                                                            prefill_buckets=(16,)))
 
 
-def test_the_bare_chain_is_the_model_matmuls_without_norms_or_attention(engine):
-    fn, (x, mats, head) = bare_chain(engine, 3)
+def _matrix(w) -> np.ndarray:
+    """A chain operand as a float64 [K, N] matrix (panels unpacked)."""
+    if isinstance(w, PanelWeight):
+        return np.asarray(unpack_panels(w), np.float64).reshape(w.k_len, -1)
+    return np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("xla_dot", [False, True], ids=["engine-form", "xla-dot"])
+def test_the_bare_chain_is_the_model_matmuls_without_norms_or_attention(engine, xla_dot):
+    fn, (x, mats, head) = bare_chain(engine, 3, xla_dot)
+    # the engine's weights on XLA:CPU float32 are panels; the XLA-dot chain takes plain copies
+    assert uses_panels(engine) and all(isinstance(w, PanelWeight) != xla_dot for w in mats[0])
     expected = np.asarray(x, np.float64)
     c = engine.model_config
     nh, f = c.num_heads * c.head_dim, c.intermediate_size
     for wqkv, wo, w_gate_up, w_down in mats:  # the same recurrence in float64 numpy
-        expected = expected + (expected @ np.asarray(wqkv))[:, :nh] @ np.asarray(wo)
-        expected = expected + (expected @ np.asarray(w_gate_up))[:, :f] @ np.asarray(w_down)
+        expected = expected + (expected @ _matrix(wqkv))[:, :nh] @ _matrix(wo)
+        expected = expected + (expected @ _matrix(w_gate_up))[:, :f] @ _matrix(w_down)
     expected = expected @ (np.asarray(head).T if c.tie_embeddings else np.asarray(head))
     got = np.asarray(fn(x, mats, head))
     assert got.shape == (3, c.vocab_size)
@@ -39,6 +50,7 @@ def test_step_vs_bare_rows_and_window_growth(engine):
     for r in rows:
         assert r["engine_ms"] > 0 and r["bare_ms"] > 0
         assert r["ratio"] == pytest.approx(r["engine_ms"] / r["bare_ms"])
+        assert r["xla_bare_ms"] > 0  # the panel engine's rows also time XLA's dot chain
     growth = window_growth(engine, rows)
     assert [g["k"] for g in growth] == [0, 2]
     c = engine.model_config

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 
+import jax
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -19,7 +20,7 @@ from models.llama import from_hf_state_dict, is_serving_only, random_model, serv
 from models.loading import TextTokenizer, load_model, read_gguf, save_converted, streaming, write_safetensors_dir
 from models.loading import gguf as gguf_module
 from models.loading.layout import expected_shapes
-from models.sharding import Placement, TensorParallelLayout
+from models.sharding import Placement, TensorParallelLayout, serving_placement
 from tests.models.test_loading import QUANT_CONFIG, random_state, write_gguf
 
 
@@ -32,8 +33,9 @@ def _tokenizer(vocab_size: int) -> TextTokenizer:
     return TextTokenizer(tok, bos_token_id=None, eos_token_ids=(1,))
 
 
-def _placement() -> Placement:
-    return Placement(make_mesh(MeshSpec()), TensorParallelLayout())
+def _placement(dtype: str = "float32") -> Placement:
+    """One device as the engine places it: on XLA:CPU float32 layers are stored as column panels."""
+    return serving_placement(make_mesh(MeshSpec()), TensorParallelLayout(), dtype)
 
 
 def _assert_same_serving_weights(streamed, reference, placement):
@@ -43,8 +45,9 @@ def _assert_same_serving_weights(streamed, reference, placement):
     for layer, ref in zip(layers, ref_layers):
         assert layer.keys() == ref.keys()
         for name in ref:
-            assert layer[name].dtype == ref[name].dtype, name
-            np.testing.assert_array_equal(np.asarray(layer[name]), np.asarray(ref[name]), err_msg=name)
+            assert type(layer[name]) is type(ref[name]) and layer[name].dtype == ref[name].dtype, name
+            for mine, theirs in zip(jax.tree.leaves(layer[name]), jax.tree.leaves(ref[name]), strict=True):
+                np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs), err_msg=name)
     for name in ("embed", "final_norm") + (() if reference.config.tie_embeddings else ("lm_head",)):
         np.testing.assert_array_equal(np.asarray(params[name].value), np.asarray(ref_params[name].value))
         np.testing.assert_array_equal(np.asarray(getattr(streamed, name).value), np.asarray(ref_params[name].value))
@@ -57,7 +60,8 @@ def test_safetensors_dir_streams_to_the_same_serving_weights(tmp_path, config, d
     sd = to_hf_state_dict(random_model(config, seed=3))
     write_safetensors_dir(tmp_path / "hf", config, sd, max_shard_bytes=20_000, tokenizer=_tokenizer(config.vocab_size))
     save_converted(tmp_path / "conv", config, sd, tokenizer=_tokenizer(config.vocab_size))
-    placement = _placement()
+    placement = _placement(dtype)
+    assert placement.panels == (dtype == "float32")
     for sub in ("hf", "conv"):
         streamed = streaming.stream_model(str(tmp_path / sub), dtype, placement)
         assert is_serving_only(streamed.model) and streamed.tokenizer.encode("w5 w7") == [5, 7]
@@ -124,7 +128,7 @@ def test_never_more_than_one_float32_tensor_or_layer(tmp_path, monkeypatch, dtyp
     sd = to_hf_state_dict(random_model(config, seed=5))
     write_safetensors_dir(tmp_path, config, sd, tokenizer=_tokenizer(config.vocab_size))
     peak = _track_float32(monkeypatch, streaming.SafetensorsSource)
-    streaming.stream_model(str(tmp_path), dtype, _placement())
+    streaming.stream_model(str(tmp_path), dtype, _placement(dtype))
     shapes = expected_shapes(config)
     tensor = max(4 * int(np.prod(s)) for s in shapes.values())
     layer = sum(4 * int(np.prod(s)) for n, s in shapes.items() if n.startswith("model.layers.0."))
@@ -140,8 +144,7 @@ def test_default_gguf_streams_like_the_whole_state_dict():
     reference = from_hf_state_dict(loaded.config, loaded.state_dict)
     del loaded
     assert is_serving_only(streamed.model) and streamed.model.config == reference.config
-    placement = Placement(make_mesh(MeshSpec()), TensorParallelLayout())
-    _assert_same_serving_weights(streamed.model, reference, placement)
+    _assert_same_serving_weights(streamed.model, reference, _placement())
     tok = streamed.tokenizer
     ids = tok.encode("The capital of France is Paris. The capital of Italy is")
     menu = Menu(num_slots=1, max_len=64, batch_buckets=(1,), k_menu=(0,), window_buckets=(64,),
