@@ -9,7 +9,7 @@ whole window) and the bare chain at T = k + 1 (`jaxspec/floor.py`) are each run
 `--calls` times under `jax.profiler` (a perfetto trace). Every traced kernel is matched by name to an
 instruction of its program's optimised HLO and summed per (category, kernel kind, output shape):
 
-    weight matmul  the panel matmul kernel (models/panel_matmul.py), or a dot or dot fusion whose output is
+    weight matmul  the panel and table matmul kernels (models/panel_matmul.py), or a dot or dot fusion whose output is
                    [T, X] (or [X, T]) with X a serving weight's output width (fused qkv, D, fused gate/up, V):
                    what the bare chain also does
     attention      the cache-attention kernel (models/cache_attention.py), or in the XLA form the other dot
@@ -42,6 +42,7 @@ from jaxspec.floor import bare_chain, hold_context, interleaved_medians, load, s
 from jaxspec.menu import Menu, StepKey
 from jaxspec.types import SamplingParams
 from models.cache_attention import TARGET as CACHE_ATTENTION
+from models.panel_matmul import TABLE_TARGET as TABLE_MATMUL
 from models.panel_matmul import TARGET as PANEL_MATMUL
 from models.panel_matmul import PanelWeight
 
@@ -102,6 +103,7 @@ def breakdown(per_kernel: dict[str, float], hlo: str, t: int, weight_widths: set
     kernels = entry_kernels(hlo)
     in_place = set(re.findall(r'%(\S+) = [^\n]*custom_call_target="' + CACHE_ATTENTION + '"', hlo))
     panels = set(re.findall(r'%(\S+) = [^\n]*custom_call_target="' + PANEL_MATMUL + '"', hlo))
+    tables = set(re.findall(r'%(\S+) = [^\n]*custom_call_target="' + TABLE_MATMUL + '"', hlo))
     rows: dict[tuple, dict] = {}
     for name, ms in per_kernel.items():
         opcode, shape = kernels[name]
@@ -109,6 +111,8 @@ def breakdown(per_kernel: dict[str, float], hlo: str, t: int, weight_widths: set
             kind, group = "cache attention kernel", "attention"
         elif name in panels:
             kind, group = "panel matmul kernel", "weight matmul"
+        elif name in tables:
+            kind, group = "table matmul kernel (LM head)", "weight matmul"
         else:
             kind, group = re.sub(r"\.\d+$", "", name), category(opcode, name, shape, t, weight_widths)
         key = (group, kind, shape)

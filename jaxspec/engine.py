@@ -139,6 +139,9 @@ class Engine:
         self._cache_config = target.config.replace(num_kv_heads=layout.kv_heads_for(target.config))
         # per-layer weight arrays (unrolled layers, no per-step slice copies), stored once
         self._graphdef, self._params = serving_split(target, self._placement)
+        # weights in column panels: the tied LM head reads the embedding with the table kernel too (batch-invariant
+        # logits; docs/design.md, "Matmuls on XLA:CPU")
+        self.table_head = self._placement.panels and target.config.tie_embeddings
         # the proposer's layers are replicated (small); an embedding it shares with the target stays the target's
         self.proposer_placement = serving_placement(self.mesh, replicated_layout(target.config, mesh.model),
                                                     target.config.dtype)
@@ -232,7 +235,7 @@ class Engine:
                 tokens_in = jnp.concatenate([pending[:, None], proposals.token_ids], axis=1)
                 hidden, features, cache = self._target_pass(target, chain_inputs(tokens_in, slot_ids, start),
                                                             state.cache, window, layers)  # [B, k+1, D], [B, k+1, n·D]
-                logits = target.unembed(hidden)  # [B, k+1, V]
+                logits = target.unembed(hidden, self.table_head)  # [B, k+1, V]
                 out, counts = verify(logits, proposals, ctx.rows)  # [B, k+1], [B]
                 proposed = proposals.lens
                 if proposer.feature_layers:  # every committed position's feature, k = 0 included
@@ -288,7 +291,7 @@ class Engine:
             inputs = chain_inputs(tokens, slot, start)
             hidden, features, cache = self._target_pass(target, inputs, state.cache, window, layers)  # [1, C, D|n·D]
             # logits: [1, 1, V] after the chunk's last real token
-            logits = target.unembed(jnp.take_along_axis(hidden, (n_valid - 1)[:, None, None], axis=1))
+            logits = target.unembed(jnp.take_along_axis(hidden, (n_valid - 1)[:, None, None], axis=1), self.table_head)
             cache = cache.with_lengths(slot, start + n_valid)
             pstate = state.proposer
             if proposer.feature_layers:  # stored for the draft's catch-up (it reads them)

@@ -6,8 +6,8 @@ B = 1, with the serving shapes: per layer x @ wqkv [D, E], (first N·H columns) 
 @ w_gate_up [D, 2F], (first F columns) @ w_down [F, D], plus the residual adds, then the LM head
 (embed [V, D] when tied, else lm_head [D, V]). No norms, RoPE, attention, cache, sampling or state:
 it reads every serving weight once, which is what a decode step cannot avoid. Its matmuls are the
-engine's own (column panels on XLA:CPU, `models.panel_matmul`); where they are panels the table also
-times the chain with XLA's dot over plain copies of the weights.
+engine's own (column panels and the table head on XLA:CPU, `models.panel_matmul`); where they are panels
+the table also times the chain with XLA's dot over plain copies of the weights.
 
 `step_vs_bare(engine, ...)` times, in one process and one run, the engine's compiled step executable
 alone (called the way `Engine.step` calls it, block_until_ready, no host bookkeeping) at every
@@ -32,7 +32,7 @@ import numpy as np
 from jaxspec.menu import StepKey
 from jaxspec.types import SamplingParams
 from models.kv_cache import cache_bytes
-from models.panel_matmul import PanelWeight, panel_matmul, unpack_panels
+from models.panel_matmul import PanelWeight, panel_matmul, table_matmul, unpack_panels
 
 
 def load() -> str:
@@ -44,9 +44,9 @@ def load() -> str:
 def bare_chain(engine, t: int, xla_dot: bool = False):
     """(fn, args): fn(args) runs the bare matmul chain of t tokens at B = 1 over the engine's weights.
 
-    The matmuls take the engine's own form: column panels (`models.panel_matmul`) where its weights are
-    stored so, XLA's dot otherwise. `xla_dot`: XLA's dot over plain [K, N] copies of panel weights instead
-    (what the same chain costs without the panel kernel; a copy of every layer's weights)."""
+    The matmuls take the engine's own form: column panels and the table head (`models.panel_matmul`) where its
+    weights are stored so, XLA's dot otherwise. `xla_dot`: XLA's dot over plain [K, N] copies of panel weights
+    and the embedding instead (what the same chain costs without the kernels; a copy of every layer's weights)."""
     top, layers = engine.placed_weights()
     c = engine.model_config
     nh, f = c.num_heads * c.head_dim, c.intermediate_size
@@ -62,6 +62,7 @@ def bare_chain(engine, t: int, xla_dot: bool = False):
     mats = tuple((matrix(p["wqkv"], c.hidden_size), matrix(p["wo"], nh), matrix(p["w_gate_up"], c.hidden_size),
                   matrix(p["w_down"], f)) for p in layers)
     head = top["embed"] if c.tie_embeddings else top["lm_head"]
+    table_head = engine.table_head and not xla_dot
 
     def chain(x, mats, head):
         for wqkv, wo, w_gate_up, w_down in mats:  # x: [T, D]
@@ -69,6 +70,8 @@ def bare_chain(engine, t: int, xla_dot: bool = False):
             x = x + times(a, wo)  # [T, D]
             g = times(x, w_gate_up)[:, :f]  # [T, F]
             x = x + times(g, w_down)  # [T, D]
+        if table_head:
+            return table_matmul(x, head)  # [T, V]
         return x @ head.T if c.tie_embeddings else x @ head  # [T, V]
 
     x = jnp.ones((t, c.hidden_size), jnp.dtype(c.dtype)) * 0.01
@@ -183,7 +186,10 @@ def kv_window_mb(engine, window: int) -> float:
 def window_growth(engine, rows: list[dict]) -> list[dict]:
     """Per k: the ms the step adds from the smallest to the largest window, against the time reading
     the added K/V bytes takes at the bandwidth the bare chain reaches at T = 1 (weight bytes / bare ms).
-    `ratio` is added ms / bytes-time (1 = attention grows at the rate its bytes are read)."""
+    `ratio` is added ms / bytes-time (1 = attention grows at the rate its bytes are read). Empty when the
+    rows hold one window only."""
+    if len({r["W"] for r in rows}) < 2:
+        return []
     t1 = [r for r in rows if r["k"] == min(r["k"] for r in rows)]
     gb_per_s = weight_mb(engine) / 1e3 / (statistics.median(r["bare_ms"] for r in t1) / 1e3)
     out = []

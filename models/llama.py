@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as PS
 from models.cache_attention import cache_attention, reads_cache_in_place
 from models.config import ModelConfig
 from models.kv_cache import KVCache
-from models.panel_matmul import PanelWeight, dense
+from models.panel_matmul import PanelWeight, dense, table_matmul
 from models.sharding import Placement, TensorParallelLayout
 
 # Names of the stacked per-layer weights, in a fixed order.
@@ -307,11 +307,18 @@ class Llama(nnx.Module):
         """tokens [B, T] -> hidden [B, T, D]."""
         return jnp.take(self.embed.value, tokens, axis=0)
 
-    def unembed(self, hidden: jax.Array) -> jax.Array:
-        """Final norm + LM head: hidden [B, T, D] -> logits [B, T, V] (fp32)."""
+    def unembed(self, hidden: jax.Array, table_head: bool = False) -> jax.Array:
+        """Final norm + LM head: hidden [B, T, D] -> logits [B, T, V] (fp32). `table_head`: the tied embedding
+        is read in place by `models.panel_matmul.table_matmul` (XLA:CPU, float32, one device: an engine whose
+        weights are panels), every logit the same bits whatever B·T (docs/design.md, "Matmuls on XLA:CPU")."""
         h = rms_norm(hidden, self.final_norm.value, self.config.rms_norm_eps)
         b, t, d = h.shape
         rows = h.reshape(b * t, d)  # [B·T, D]
+        if table_head:
+            if not self.config.tie_embeddings:
+                raise ValueError(f"{self.config.name}: table_head needs a tied embedding (this model has an lm_head)")
+            logits = table_matmul(rows, self.embed.value)  # [B·T, V]
+            return logits.reshape(b, t, -1)  # [B, T, V]
         # a matmul of rows [B·T, D] with the embedding transposed ([V, D] -> [D, V]): at B·T = 1 XLA:CPU fuses
         # the transpose into a matrix-vector loop that reads the embedding row by row, 1.2x faster than the dot
         # an einsum over [V, D] lowers to (docs/design.md, "Attention on XLA:CPU"); the same at B·T > 1

@@ -9,7 +9,9 @@ the same order whatever the number of rows (a verify step's logits are bitwise t
 context).
 
 Serving weights are packed where they are placed (`models.sharding.Placement(panels=True)`): XLA:CPU, float32,
-one device (`uses_panel_weights`); the layers then call `dense`, which takes either form.
+one device (`uses_panel_weights`); the layers then call `dense`, which takes either form. The LM head of a tied
+embedding needs no packing: `table_matmul` multiplies by the embedding [V, D] as it lies, 64 rows at a time
+(`models.llama.Llama.unembed` when the model's `table_head` is set).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from models import _panel_matmul  # built by setup.py from models/csrc/panel_mat
 from models.cache_attention import kernels_enabled
 
 TARGET = "jaxspec_panel_matmul"
+TABLE_TARGET = "jaxspec_table_matmul"
 jax.ffi.register_ffi_target(TARGET, _panel_matmul.handler(), platform="cpu")
+jax.ffi.register_ffi_target(TABLE_TARGET, _panel_matmul.table_handler(), platform="cpu")
 
 PANEL = 64  # columns per panel
 # the fused serving weights stored as panels, and how many leading dims of each are contracted
@@ -94,6 +98,19 @@ def panel_matmul(x: jax.Array, weight: PanelWeight) -> jax.Array:
     return y.reshape(*lead, *weight.shape[1:])  # [..., *out]
 
 
+def table_matmul(x: jax.Array, table: jax.Array) -> jax.Array:
+    """x [..., D] @ table [V, D] transposed -> [..., V] (float32 in and out), reading the table where it lies;
+    each output is summed in the same order whatever the number of rows."""
+    if table.ndim != 2 or x.shape[-1] != table.shape[1] or table.dtype != jnp.float32:
+        raise ValueError(f"table_matmul: x {x.shape} and table {table.dtype} {table.shape} do not agree "
+                         "(expected x [..., D] and a float32 table [V, D])")
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, table.shape[1])  # [M, D]
+    call = jax.ffi.ffi_call(TABLE_TARGET, jax.ShapeDtypeStruct((rows.shape[0], table.shape[0]), jnp.float32))
+    y = call(rows.astype(jnp.float32), table)  # [M, V]
+    return y.reshape(*lead, table.shape[0])  # [..., V]
+
+
 def dense(x: jax.Array, weight: jax.Array | PanelWeight, spec: str) -> jax.Array:
     """x contracted with a serving weight: `jnp.einsum(spec, x, weight)` for an array, `panel_matmul` for
     a PanelWeight (whose shape already flattens what the einsum contracts)."""
@@ -102,5 +119,5 @@ def dense(x: jax.Array, weight: jax.Array | PanelWeight, spec: str) -> jax.Array
     return jnp.einsum(spec, x, weight)
 
 
-__all__ = ["CONTRACTED_DIMS", "PANEL", "PanelWeight", "dense", "pack_panels", "panel_matmul", "unpack_panels",
-           "uses_panel_weights"]
+__all__ = ["CONTRACTED_DIMS", "PANEL", "PanelWeight", "dense", "pack_panels", "panel_matmul", "table_matmul",
+           "unpack_panels", "uses_panel_weights"]

@@ -12,7 +12,7 @@ from jaxspec.proposers.draft_model import DraftModelProposer
 from jaxspec.proposers.noisy import NoisyProposer
 from jaxspec.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
-from models.config import TINY
+from models.config import TINY, TINY_QWEN
 from models.llama import random_model
 from tests.conftest import decode, random_prompts, reference_greedy
 
@@ -67,6 +67,25 @@ def test_greedy_equals_plain_decoding(tiny_model, references, name):
         assert all(r == 1.0 for (k, _), r in rates.items() if k > 0)
     else:
         assert any(r > 0 for (k, _), r in rates.items() if k > 0), "nothing was ever accepted"
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-self"])
+def test_greedy_equals_plain_decoding_with_the_table_head(name):
+    """A tied embedding on XLA:CPU float32: the engine's LM head is the table kernel (and its layers panels);
+    every k and batch still equals plain decoding by the cache-free XLA forward."""
+    target = random_model(TINY_QWEN, seed=3)
+    engine = Engine(target, _proposers(target)[name](), MENU)
+    engine.warmup(progress=False)
+    assert engine.table_head
+    prompts = random_prompts(PROMPT_LENGTHS, TINY_QWEN.vocab_size, seed=4)
+    prompts = [_repetitive(p, reference_greedy(target, p, 10)) for p in prompts]
+    expected = [reference_greedy(target, p, N_NEW) for p in prompts]
+    for k in (0, 1, 4, 8):
+        for batch in (1, 8):
+            outputs, rate = decode(engine, prompts[:batch], k, N_NEW)
+            assert outputs == expected[:batch], f"{name} k={k} batch={batch}"
+            if name == "draft-self" and k > 0:
+                assert rate == 1.0
 
 
 def test_plain_engine_and_menu_errors(tiny_model, references):

@@ -13,6 +13,18 @@
 //
 // Every y[m, n] is summed over k in increasing order, one multiply-add at a time (fused where the CPU has FMA),
 // starting from zero: the same bits whatever M, the other rows or the split over threads are.
+//
+// The LM head of a tied embedding multiplies by a table [V, D] stored row by row (the embedding itself), which
+// needs no repacking: 64 consecutive table rows are one contiguous block, and a second handler walks those
+// blocks the same way, each output a dot product of two contiguous rows.
+//
+//   x       [M, D] f32       the rows
+//   table   [V, D] f32       the embedding
+//   y       [M, V] f32       x @ table^T
+//
+// Every y[m, v] sums x[m, d] · table[v, d] in four sixteen-lane accumulators (accumulator j, lane i takes the
+// d ≡ 16j + i mod 64, in increasing order), adds them and their lanes in a fixed tree, then the last D mod 64
+// products in order: again the same bits whatever M.
 #include <Python.h>
 
 #include <algorithm>
@@ -76,6 +88,50 @@ static inline __attribute__((always_inline)) void PanelRowsBody(const float* x, 
   }
 }
 
+typedef float F8 __attribute__((vector_size(32)));
+typedef float F4 __attribute__((vector_size(16)));
+typedef float F2 __attribute__((vector_size(8)));
+
+// The sum of the sixteen lanes of v, always in the same order: lane i + 8 onto lane i, then i + 4, i + 2, i + 1.
+static inline __attribute__((always_inline)) float LaneSum(F16 v) {
+  const F8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const F2 p = __builtin_shufflevector(q, q, 0, 1) + __builtin_shufflevector(q, q, 2, 3);
+  return p[0] + p[1];
+}
+
+// y[r, v] = x[r, :] · table[v, :] for the kRows rows at x (row stride d_len) and the `columns` ≤ 64 table rows
+// at `block` (row stride d_len), written to y (row stride v_len). One table row at a time, read front to back
+// (one stream for the prefetcher); four accumulators per output take the d of each 64 in turn.
+template <int kRows>
+static inline __attribute__((always_inline)) void TableRowsBody(const float* x, int64_t d_len, const float* block,
+                                                                float* y, int64_t v_len, int64_t columns) {
+  const int64_t d_wide = d_len - d_len % 64;
+  for (int64_t v = 0; v < columns; ++v) {
+    const float* t = block + v * d_len;
+    F16 acc[kRows][4];
+    for (int r = 0; r < kRows; ++r) {
+      for (int j = 0; j < 4; ++j) acc[r][j] = F16{};
+    }
+    for (int64_t d = 0; d < d_wide; d += 64) {
+      const F16 t0 = Load16(t + d), t1 = Load16(t + d + 16), t2 = Load16(t + d + 32), t3 = Load16(t + d + 48);
+      for (int r = 0; r < kRows; ++r) {
+        const float* xr = x + r * d_len + d;
+        acc[r][0] += Load16(xr) * t0;
+        acc[r][1] += Load16(xr + 16) * t1;
+        acc[r][2] += Load16(xr + 32) * t2;
+        acc[r][3] += Load16(xr + 48) * t3;
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float sum = LaneSum((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]));
+      for (int64_t d = d_wide; d < d_len; ++d) sum += x[r * d_len + d] * t[d];
+      y[r * v_len + v] = sum;
+    }
+  }
+}
+
 // On x86-64 each row count is compiled three times (AVX-512, AVX2 + FMA, baseline), the variant picked at
 // load time; elsewhere (aarch64 hosts) once, for the compiler's default target.
 #if defined(__x86_64__)
@@ -92,32 +148,43 @@ JAXSPEC_CLONES void PanelRows4(JAXSPEC_PANEL_ARGS) { PanelRowsBody<4>(JAXSPEC_PA
 JAXSPEC_CLONES void PanelRows5(JAXSPEC_PANEL_ARGS) { PanelRowsBody<5>(JAXSPEC_PANEL_CALL); }
 JAXSPEC_CLONES void PanelRows6(JAXSPEC_PANEL_ARGS) { PanelRowsBody<6>(JAXSPEC_PANEL_CALL); }
 
-using PanelRowsFn = void (*)(JAXSPEC_PANEL_ARGS);
-constexpr PanelRowsFn kPanelRows[kMaxGroup + 1] = {nullptr, PanelRows1, PanelRows2, PanelRows3,
-                                                   PanelRows4, PanelRows5, PanelRows6};
+JAXSPEC_CLONES void TableRows1(JAXSPEC_PANEL_ARGS) { TableRowsBody<1>(JAXSPEC_PANEL_CALL); }
+JAXSPEC_CLONES void TableRows2(JAXSPEC_PANEL_ARGS) { TableRowsBody<2>(JAXSPEC_PANEL_CALL); }
+JAXSPEC_CLONES void TableRows3(JAXSPEC_PANEL_ARGS) { TableRowsBody<3>(JAXSPEC_PANEL_CALL); }
+JAXSPEC_CLONES void TableRows4(JAXSPEC_PANEL_ARGS) { TableRowsBody<4>(JAXSPEC_PANEL_CALL); }
+JAXSPEC_CLONES void TableRows5(JAXSPEC_PANEL_ARGS) { TableRowsBody<5>(JAXSPEC_PANEL_CALL); }
+JAXSPEC_CLONES void TableRows6(JAXSPEC_PANEL_ARGS) { TableRowsBody<6>(JAXSPEC_PANEL_CALL); }
 
-// The work of one call: units of consecutive panels, claimed one at a time by the calling thread and XLA's
-// intra-op pool. It lives on the heap, shared by every task: a task the pool starts after the call returned
-// finds no unit left and touches nothing else.
+// Per row count 1..kMaxGroup: one pass of that many rows over a block of 64 output columns.
+using BlockRowsFn = void (*)(JAXSPEC_PANEL_ARGS);
+constexpr BlockRowsFn kPanelRows[kMaxGroup + 1] = {nullptr, PanelRows1, PanelRows2, PanelRows3,
+                                                   PanelRows4, PanelRows5, PanelRows6};
+constexpr BlockRowsFn kTableRows[kMaxGroup + 1] = {nullptr, TableRows1, TableRows2, TableRows3,
+                                                   TableRows4, TableRows5, TableRows6};
+
+// The work of one call: units of consecutive blocks of 64 output columns (panels, or 64 table rows), claimed
+// one at a time by the calling thread and XLA's intra-op pool. It lives on the heap, shared by every task: a
+// task the pool starts after the call returned finds no unit left and touches nothing else.
 struct SharedWork {
-  const float *x, *panels;
+  const BlockRowsFn* kernels;  // kPanelRows or kTableRows
+  const float *x, *blocks;     // block q starts at blocks + q · k_len · 64 in both layouts
   float* y;
-  int64_t m_rows, k_len, n_len, q_panels, unit_panels;
+  int64_t m_rows, k_len, n_len, q_blocks, unit_blocks;
   std::atomic<int64_t> next_unit{0};
   std::atomic<int64_t> units_done{0};
 
-  int64_t units() const { return (q_panels + unit_panels - 1) / unit_panels; }
+  int64_t units() const { return (q_blocks + unit_blocks - 1) / unit_blocks; }
 
-  // Every panel of unit u, each read once for all rows: the rows go in groups of at most kMaxGroup, sized
-  // alike (9 rows: 5 + 4), and later groups find the panel in cache.
+  // Every block of unit u, each read once for all rows: the rows go in groups of at most kMaxGroup, sized
+  // alike (9 rows: 5 + 4), and later groups find the block in cache.
   void RunUnit(int64_t u) const {
     const int64_t groups = (m_rows + kMaxGroup - 1) / kMaxGroup;
-    for (int64_t q = u * unit_panels; q < std::min(q_panels, (u + 1) * unit_panels); ++q) {
-      const float* panel = panels + q * k_len * kPanel;
+    for (int64_t q = u * unit_blocks; q < std::min(q_blocks, (u + 1) * unit_blocks); ++q) {
+      const float* block = blocks + q * k_len * kPanel;
       const int64_t columns = std::min(kPanel, n_len - q * kPanel);
       for (int64_t g = 0, m = 0; g < groups; ++g) {
         const int64_t rows = (m_rows - m + (groups - g) - 1) / (groups - g);
-        kPanelRows[rows](x + m * k_len, k_len, panel, y + m * n_len + q * kPanel, n_len, columns);
+        kernels[rows](x + m * k_len, k_len, block, y + m * n_len + q * kPanel, n_len, columns);
         m += rows;
       }
     }
@@ -131,6 +198,36 @@ struct SharedWork {
   }
 };
 
+// y [M, N] = x [M, K] times the weight in `blocks` (Q blocks of K × 64 floats), with `kernels` for the layout.
+void RunBlocks(ffi::ThreadPool& pool, const BlockRowsFn* kernels, const float* x, const float* blocks, float* y,
+               int64_t m_rows, int64_t k_len, int64_t n_len, int64_t q_blocks) {
+  if (m_rows == 0 || n_len == 0) return;
+  const int64_t block_bytes = k_len * kPanel * static_cast<int64_t>(sizeof(float));
+  auto work = std::make_shared<SharedWork>();
+  work->kernels = kernels;
+  work->x = x;
+  work->blocks = blocks;
+  work->y = y;
+  work->m_rows = m_rows;
+  work->k_len = k_len;
+  work->n_len = n_len;
+  work->q_blocks = q_blocks;
+  work->unit_blocks = std::max<int64_t>(1, kUnitBytes / std::max<int64_t>(1, block_bytes));
+  const int64_t units = work->units();
+  const int64_t threads =
+      q_blocks * block_bytes < kBytesWorthAThread ? 1 : std::max<int64_t>(1, pool.num_threads());
+  for (int64_t i = 0; i < std::min(threads - 1, units - 1); ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  // every unit is claimed now, each by a worker that is running it: wait for those to finish
+  while (work->units_done.load(std::memory_order_acquire) < units) std::this_thread::yield();
+}
+
+std::string Dims(ffi::Span<const int64_t> dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
 ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                            ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -142,29 +239,28 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int64_t m_rows = xd[0], k_len = xd[1], q_panels = pd[0], n_len = yd[1];
   if (pd[1] != k_len || pd[2] != kPanel || yd[0] != m_rows || n_len > q_panels * kPanel ||
       n_len <= (q_panels - 1) * kPanel) {
-    return ffi::Error::InvalidArgument("panel_matmul: x [" + std::to_string(m_rows) + ", " + std::to_string(k_len) +
-                                       "], panels [" + std::to_string(q_panels) + ", " + std::to_string(pd[1]) +
-                                       ", " + std::to_string(pd[2]) + "] and y [" + std::to_string(yd[0]) + ", " +
-                                       std::to_string(n_len) + "] do not agree");
+    return ffi::Error::InvalidArgument("panel_matmul: x " + Dims(xd) + ", panels " + Dims(pd) + " and y " + Dims(yd) +
+                                       " do not agree");
   }
-  if (m_rows == 0 || n_len == 0) return ffi::Error::Success();
-  const int64_t panel_bytes = k_len * kPanel * static_cast<int64_t>(sizeof(float));
-  auto work = std::make_shared<SharedWork>();
-  work->x = x.typed_data();
-  work->panels = panels.typed_data();
-  work->y = y->typed_data();
-  work->m_rows = m_rows;
-  work->k_len = k_len;
-  work->n_len = n_len;
-  work->q_panels = q_panels;
-  work->unit_panels = std::max<int64_t>(1, kUnitBytes / std::max<int64_t>(1, panel_bytes));
-  const int64_t units = work->units();
-  const int64_t threads =
-      q_panels * panel_bytes < kBytesWorthAThread ? 1 : std::max<int64_t>(1, pool.num_threads());
-  for (int64_t i = 0; i < std::min(threads - 1, units - 1); ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  // every unit is claimed now, each by a worker that is running it: wait for those to finish
-  while (work->units_done.load(std::memory_order_acquire) < units) std::this_thread::yield();
+  RunBlocks(pool, kPanelRows, x.typed_data(), panels.typed_data(), y->typed_data(), m_rows, k_len, n_len, q_panels);
+  return ffi::Error::Success();
+}
+
+ffi::Error TableMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> table,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto td = table.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || td.size() != 2 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("table_matmul: expected x [M, D], table [V, D], y [M, V]");
+  }
+  const int64_t m_rows = xd[0], d_len = xd[1], v_len = td[0];
+  if (td[1] != d_len || yd[0] != m_rows || yd[1] != v_len) {
+    return ffi::Error::InvalidArgument("table_matmul: x " + Dims(xd) + ", table " + Dims(td) + " and y " + Dims(yd) +
+                                       " do not agree");
+  }
+  RunBlocks(pool, kTableRows, x.typed_data(), table.typed_data(), y->typed_data(), m_rows, d_len, v_len,
+            (v_len + kPanel - 1) / kPanel);
   return ffi::Error::Success();
 }
 
@@ -177,13 +273,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecPanelMatmul, PanelMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // panels
                                   .Ret<ffi::Buffer<ffi::F32>>()); // y
 
-// The Python module: `handler()` returns the XLA FFI handler as a PyCapsule for jax.ffi.register_ffi_target.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecTableMatmul, TableMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()        // XLA:CPU's intra-op threads
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // table
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // y
+
+// The Python module: `handler()` and `table_handler()` return the XLA FFI handlers as PyCapsules for
+// jax.ffi.register_ffi_target.
 static PyObject* Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&JaxspecPanelMatmul), nullptr, nullptr);
 }
 
+static PyObject* TableHandler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&JaxspecTableMatmul), nullptr, nullptr);
+}
+
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The panel-matmul XLA FFI handler (a PyCapsule)."},
+    {"table_handler", TableHandler, METH_NOARGS, "The table-matmul XLA FFI handler (a PyCapsule)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

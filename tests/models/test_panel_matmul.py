@@ -1,5 +1,6 @@
-"""The panel matmul kernel (models/panel_matmul.py, models/csrc/panel_matmul.cc): the product it computes,
-rows independent to the bit, the packing, its errors, and the serving layers that use it."""
+"""The panel and table matmul kernels (models/panel_matmul.py, models/csrc/panel_matmul.cc): the products they
+compute, rows independent to the bit, the packing, their errors, and the serving layers and LM head that use
+them."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from models.config import TINY, TINY_QWEN
 from models.llama import random_model, serving_split
 from models.panel_matmul import (
     PANEL,
+    TABLE_TARGET,
     TARGET,
     PanelWeight,
     dense,
     pack_panels,
     panel_matmul,
+    table_matmul,
     unpack_panels,
     uses_panel_weights,
 )
@@ -106,3 +109,56 @@ def test_serving_layers_on_panels_compute_what_xla_layers_do(config):
     got = np.asarray(jax.jit(lambda t, layers: model(t, layers))(tokens, panel_layers))  # [1, 10, V]
     ref = np.asarray(jax.jit(lambda t, layers: model(t, layers))(tokens, xla_layers))
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+# (V, D) of the table: whole blocks of 64 rows and D a multiple of 64, a last block partly filled and a D tail
+# past the last 64, a tiny table, and one large enough to be split over threads
+TABLES = [(128, 64), (100, 70), (3, 8), (4096, 576)]
+
+
+@pytest.mark.parametrize("v_len,d_len", TABLES)
+def test_the_table_product_matches_float64(v_len, d_len):
+    table = np.random.default_rng(8).standard_normal((v_len, d_len)).astype(np.float32)  # [V, D]
+    product = jax.jit(table_matmul)
+    for m_rows in ROWS:
+        x = np.random.default_rng(m_rows).standard_normal((m_rows, d_len)).astype(np.float32)  # [M, D]
+        got = np.asarray(product(jnp.asarray(x), jnp.asarray(table)))  # [M, V]
+        expected = x.astype(np.float64) @ table.astype(np.float64).T
+        assert got.shape == (m_rows, v_len)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6 * np.sqrt(d_len) * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("v_len,d_len", [(100, 70), (4096, 576)])
+def test_each_table_row_is_the_same_bits_whatever_the_other_rows(v_len, d_len):
+    """Logits of a plain step's single row and of a verify step's rows are bitwise equal for equal hidden states."""
+    table = jnp.asarray(np.random.default_rng(9).standard_normal((v_len, d_len)).astype(np.float32))
+    product = jax.jit(table_matmul)
+    x = np.random.default_rng(10).standard_normal((40, d_len)).astype(np.float32)
+    alone = np.stack([np.asarray(product(jnp.asarray(x[m:m + 1]), table))[0] for m in range(40)])  # [40, V]
+    for m_rows in ROWS:
+        np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x[:m_rows]), table)), alone[:m_rows])
+
+
+def test_bad_table_shapes_are_refused():
+    with pytest.raises(ValueError, match="do not agree"):
+        table_matmul(jnp.ones((2, 31), jnp.float32), jnp.ones((10, 32), jnp.float32))
+    with pytest.raises(ValueError, match="float32 table"):
+        table_matmul(jnp.ones((2, 32), jnp.float32), jnp.ones((10, 32), jnp.bfloat16))
+    wrong_v = jax.ffi.ffi_call(TABLE_TARGET, jax.ShapeDtypeStruct((2, 11), jnp.float32))
+    with pytest.raises(Exception, match="do not agree"):
+        jax.block_until_ready(wrong_v(jnp.ones((2, 32), jnp.float32), jnp.ones((10, 32), jnp.float32)))
+
+
+def test_the_table_head_computes_the_xla_head():
+    model = random_model(TINY.replace(name="table-head", tie_embeddings=True), seed=11)
+    assert model.config.tie_embeddings
+    hidden = jnp.asarray(np.random.default_rng(12).standard_normal((2, 3, TINY.hidden_size)).astype(np.float32))
+    got = np.asarray(jax.jit(lambda h: model.unembed(h, table_head=True))(hidden))  # [2, 3, V]
+    ref = np.asarray(jax.jit(lambda h: model.unembed(h))(hidden))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_the_table_head_needs_a_tied_embedding():
+    model = random_model(TINY.replace(name="untied-head", tie_embeddings=False), seed=13)
+    with pytest.raises(ValueError, match="needs a tied embedding"):
+        model.unembed(jnp.ones((1, 1, TINY.hidden_size), jnp.float32), table_head=True)
