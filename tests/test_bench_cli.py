@@ -52,3 +52,15 @@ def test_bench_with_a_tree_runs_the_tree_beside_the_chain_of_the_same_width(tmp_
                      ("ngram-tree", "fixed:4"), ("ngram-tree", "goodput")}
     for r in records:
         assert r["errors"] == 0 and r["tokens_per_step"] >= 1.0
+
+
+def test_goal_check_compares_goodput_with_every_fixed_k_that_ran():
+    """The best baseline is the fastest of `none` and every `fixed:N` in the cell, whatever N was run."""
+    def rec(policy, latency):
+        return {"workload": "edit", "proposer": "ngram", "concurrency": 1, "policy": policy, "mean_latency_s": latency}
+
+    records = [rec("none", 25.4), rec("fixed:2", 11.3), rec("fixed:8", 7.6), rec("goodput", 7.9)]
+    [check] = cli.check_goals(records)["goodput_vs_best_fixed"]
+    assert check["best"] == "fixed:8" and abs(check["ratio"] - 7.9 / 7.6) < 1e-12 and check["ok"] is False
+    [speedup] = cli.check_goals(records)["low_load_speedup_vs_none"]
+    assert abs(speedup["speedup"] - 25.4 / 7.9) < 1e-12
