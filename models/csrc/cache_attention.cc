@@ -302,6 +302,20 @@ JAXSPEC_CLONES void MergeH64(const Query& query, int64_t h) { MergeBody<64>(quer
 JAXSPEC_CLONES void MergeH128(const Query& query, int64_t h) { MergeBody<128>(query, h); }
 JAXSPEC_CLONES void MergeAnyH(const Query& query, int64_t h) { MergeBody<0>(query, h); }
 
+// Scratch floats kept from call to call on one thread: grown, never shrunk and never zeroed (a call reads only
+// floats it wrote), so a step's 30-odd calls do not each allocate, zero and page-fault their partials (up to
+// 0.4 MB for a verify step at W = 2048). Each thread has its own, so calls running at once never share one;
+// a call needing more than kKeptScratchFloats allocates its own for the call (prefill chunks).
+constexpr size_t kKeptScratchFloats = size_t{1} << 21;  // 8 MB
+
+float* ScratchFloats(std::vector<float>& kept, std::vector<float>& owned, size_t floats) {
+  std::vector<float>& buffer = floats <= kKeptScratchFloats ? kept : owned;
+  if (buffer.size() < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+thread_local std::vector<float> t_kept_partials, t_kept_scores;
+
 // The work of one call. Its queries are ordered by (row, kv head, token, query head); a piece is a run of
 // queries of one row, and a unit is (piece, chunk). The calling thread and XLA's intra-op pool claim units one
 // at a time; then the calling thread merges every query's partials. It lives on the heap, shared by every
@@ -310,7 +324,8 @@ struct SharedWork {
   std::vector<Query> queries;
   std::vector<int64_t> piece_starts;  // piece p is queries[piece_starts[p], piece_starts[p + 1])
   std::vector<int64_t> unit_pieces, unit_chunks;  // unit u is (piece unit_pieces[u], chunk unit_chunks[u])
-  std::vector<float> partials;  // [queries, chunks of the window, PartialSize(H)]
+  float* partials = nullptr;  // [queries, chunks of the window, PartialSize(H)], the calling thread's scratch
+  std::vector<float> owned_partials;  // the partials of a call too large for that scratch
   int64_t stride, h, largest_piece;
   float scale;
   std::atomic<int64_t> next_unit{0};
@@ -320,11 +335,15 @@ struct SharedWork {
 
   void Run() {
     const auto attend = h == 64 ? AttendChunkH64 : h == 128 ? AttendChunkH128 : AttendChunkAnyH;
-    std::vector<float> scores(static_cast<size_t>(largest_piece * kChunk));  // [piece queries, kChunk]
+    std::vector<float> owned_scores;
+    float* scores = nullptr;  // [piece queries, kChunk], this thread's scratch
     for (int64_t u = next_unit.fetch_add(1); u < units(); u = next_unit.fetch_add(1)) {
+      if (scores == nullptr) {
+        scores = ScratchFloats(t_kept_scores, owned_scores, static_cast<size_t>(largest_piece * kChunk));
+      }
       const int64_t p = unit_pieces[u];
       attend(queries.data() + piece_starts[p], piece_starts[p + 1] - piece_starts[p], unit_chunks[u], stride, h,
-             scale, scores.data());
+             scale, scores);
       units_done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -386,7 +405,8 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int64_t piece_size = (row_queries + pieces - 1) / pieces;
   work->largest_piece = piece_size;
   const int64_t queries = b_rows * t_len * n_heads;
-  work->partials.resize(static_cast<size_t>(queries * window_chunks * PartialSize(h_dim)));
+  work->partials = ScratchFloats(t_kept_partials, work->owned_partials,
+                                 static_cast<size_t>(queries * window_chunks * PartialSize(h_dim)));
   work->queries.reserve(static_cast<size_t>(queries));
   for (int64_t b = 0; b < b_rows; ++b) {
     const int64_t slot = slots.typed_data()[b];
@@ -407,7 +427,7 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
         const int64_t row = (b * t_len + t) * n_heads + n;
         work->queries.push_back(Query{q.typed_data() + row * h_dim, sees, out->typed_data() + row * h_dim,
                                       k_slot + g * h_dim, v_slot + g * h_dim, k_slot, v_slot, w_ends[b * t_len + t],
-                                      work->partials.data() + index * window_chunks * PartialSize(h_dim)});
+                                      work->partials + index * window_chunks * PartialSize(h_dim)});
       }
     }
   }
