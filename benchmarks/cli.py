@@ -317,6 +317,8 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
 def check_goals(records: list[dict]) -> dict:
     """Issue 8 / 5 goals over the records: goodput vs the best of `none` and every `fixed:N` run in the same cell,
     speedups at low load."""
+    from jaxspec.policy.spec import PolicySpec
+
     out = {"goodput_vs_best_fixed": [], "better_than_each_fixed_somewhere": {}, "low_load_speedup_vs_none": []}
     key = "rate" if any(r.get("mode") == "open" for r in records) else "concurrency"
     cells = {}
@@ -326,7 +328,7 @@ def check_goals(records: list[dict]) -> dict:
     for (w, p, x), pol in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
         if "goodput" not in pol:
             continue
-        fixed = {f: r["mean_latency_s"] for f, r in pol.items() if f == "none" or f.startswith("fixed:")}
+        fixed = {f: r["mean_latency_s"] for f, r in pol.items() if PolicySpec.parse(f).name in ("none", "fixed")}
         if not fixed:
             continue
         best = min(fixed, key=fixed.get)

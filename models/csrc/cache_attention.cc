@@ -319,12 +319,13 @@ thread_local std::vector<float> t_kept_partials, t_kept_scores;
 // The work of one call. Its queries are ordered by (row, kv head, token, query head); a piece is a run of
 // queries of one row, and a unit is (piece, chunk). The calling thread and XLA's intra-op pool claim units one
 // at a time; then the calling thread merges every query's partials. It lives on the heap, shared by every
-// task: a task the pool starts after the call returned finds no unit left and touches nothing else.
+// task: a task the pool starts after the call returned finds no unit left and touches nothing of the call's
+// but the counters.
 struct SharedWork {
   std::vector<Query> queries;
   std::vector<int64_t> piece_starts;  // piece p is queries[piece_starts[p], piece_starts[p + 1])
   std::vector<int64_t> unit_pieces, unit_chunks;  // unit u is (piece unit_pieces[u], chunk unit_chunks[u])
-  float* partials = nullptr;  // [queries, chunks of the window, PartialSize(H)], the calling thread's scratch
+  float* partials = nullptr;  // [queries, chunks of the window, PartialSize(H)]: the calling thread's scratch
   std::vector<float> owned_partials;  // the partials of a call too large for that scratch
   int64_t stride, h, largest_piece;
   float scale;
@@ -336,11 +337,8 @@ struct SharedWork {
   void Run() {
     const auto attend = h == 64 ? AttendChunkH64 : h == 128 ? AttendChunkH128 : AttendChunkAnyH;
     std::vector<float> owned_scores;
-    float* scores = nullptr;  // [piece queries, kChunk], this thread's scratch
+    float* scores = ScratchFloats(t_kept_scores, owned_scores, static_cast<size_t>(largest_piece * kChunk));
     for (int64_t u = next_unit.fetch_add(1); u < units(); u = next_unit.fetch_add(1)) {
-      if (scores == nullptr) {
-        scores = ScratchFloats(t_kept_scores, owned_scores, static_cast<size_t>(largest_piece * kChunk));
-      }
       const int64_t p = unit_pieces[u];
       attend(queries.data() + piece_starts[p], piece_starts[p + 1] - piece_starts[p], unit_chunks[u], stride, h,
              scale, scores);
