@@ -38,10 +38,10 @@ for path in (resources.config_file("engine.yaml"), resources.config_file("policy
              resources.shipped_draft_dir("smollm2-135m") / "draft.json",
              resources.shipped_draft_dir("smollm2-135m") / "weights.npz"):
     assert path.is_file() and package in path.parents, f"missing from the installed package: {path}"
-import benchmarks.cli  # noqa: F401, E402  (`jaxspec bench` imports it: it ships)
-import models.cache_attention  # noqa: E402  (the compiled XLA:CPU kernel, built into the wheel)
+import jaxspec.bench.cli  # noqa: F401, E402  (`jaxspec bench` imports it: it ships)
+import jaxspec.models.cache_attention  # noqa: E402  (the compiled XLA:CPU kernel, built into the wheel)
 
-kernel = Path(models.cache_attention._cache_attention.__file__).resolve()
+kernel = Path(jaxspec.models.cache_attention._cache_attention.__file__).resolve()
 assert kernel.parent.parent == package.parent, f"the kernel is not the wheel's: {kernel}"
 
 tops = {name.split("/")[0] for name in zipfile.ZipFile(sys.argv[2]).namelist()}

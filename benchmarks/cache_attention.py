@@ -4,9 +4,9 @@
 
 For each T (new tokens per row), window bucket W and filled context length, both forms attend one layer's
 queries over the same cache (SmolLM2-135M's heads by default: N = 9, G = 3, H = 64; `--heads 12,2,128` for
-Qwen2.5-1.5B's), jitted, called alternately (medians). The XLA form is `models.llama.attention` over the
+Qwen2.5-1.5B's), jitted, called alternately (medians). The XLA form is `jaxspec.models.llama.attention` over the
 window gathered from the cache (what `forward_cached` runs where the kernel does not apply); the kernel is
-`models.cache_attention.cache_attention`. The machine load is recorded before and after.
+`jaxspec.models.cache_attention.cache_attention`. The machine load is recorded before and after.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import machine
-from jaxspec.floor import interleaved_medians, load
-from models.cache_attention import cache_attention
-from models.llama import attention
+from jaxspec.bench.common import machine
+from jaxspec.bench.floor import interleaved_medians, load
+from jaxspec.models.cache_attention import cache_attention
+from jaxspec.models.llama import attention
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -2,14 +2,14 @@
 
     python -m benchmarks.decode_speed --tokens 64 --out docs/results/decode_speed.json
 
-The floor is the bare matmul chain of the model's own serving weights (`jaxspec.floor`): the
+The floor is the bare matmul chain of the model's own serving weights (`jaxspec.bench.floor`): the
 same matmuls at the same shapes over the same placed arrays, nothing else, jitted, at T = k + 1.
 The engine's compiled step executable is timed alone at every (k, W) of the menu at B = 1 next to
 it, in the same process, and the table reports engine / bare (with the machine load before and
 after each row: numbers taken above a load of about 1 on a 2-core machine are distorted). Where the
-engine's weights are column panels (`models.panel_matmul`, XLA:CPU) the table also times the chain with
+engine's weights are column panels (`jaxspec.models.panel_matmul`, XLA:CPU) the table also times the chain with
 XLA's dot. `--xla-form` adds a second engine, the model loaded again under
-`models.cache_attention.xla_form_only` (XLA's weight layout and attention form), alternated with the
+`jaxspec.models.cache_attention.xla_form_only` (XLA's weight layout and attention form), alternated with the
 first: what this project's XLA:CPU kernels buy.
 Both engines decode the same prompt greedily in the same process, alternating, `--repeats` times
 (medians reported, every repeat kept); prefill is excluded on both sides; the outputs are compared
@@ -34,14 +34,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks.common import decode_tokens, machine
 from benchmarks.spec_speed import COPY_PROMPT
-from jaxspec.build import build_model, build_proposer
-from jaxspec.engine import Engine, enable_compilation_cache
-from jaxspec.floor import format_growth, format_rows, load, step_vs_bare, weight_mb, window_growth
+from jaxspec.bench.common import decode_tokens, machine
+from jaxspec.bench.floor import format_growth, format_rows, load, step_vs_bare, weight_mb, window_growth
+from jaxspec.engine.build import build_model, build_proposer
+from jaxspec.engine.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu
-from models.cache_attention import xla_form_only
-from models.loading import resolve_model
+from jaxspec.models.cache_attention import xla_form_only
+from jaxspec.models.loading import resolve_model
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "Describe the sea, the weather and the keeper's thoughts in detail.")

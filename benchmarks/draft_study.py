@@ -24,11 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec import distill_data as dd
-from jaxspec.distill import _load_target, draft_step_latency, load_draft, measure_engine
-from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.engine.draft_artifacts import load_draft
+from jaxspec.engine.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu, PrefillKey, StepKey
-from jaxspec.proposers.draft_model import DraftModelProposer
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+from jaxspec.training import distill_data as dd
+from jaxspec.training.distill import draft_step_latency, measure_engine
+from jaxspec.training.trainer import load_target
 
 
 def engine_config(ks, ks_b8) -> Menu:
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
     ks_b8 = [int(k) for k in args.ks_b8.split(",") if k]
     ks_all = sorted({args.accept_k, *ks_b8})
 
-    target, loaded = _load_target(args.model)
+    target, loaded = load_target(args.model)
     tok, eos = loaded.tokenizer, loaded.config.eos_token_ids
     prompts = dd.chat_prompts(tok, "heldout", args.prompts, 112)
     speed_prompts = prompts[: args.speed_prompts]

@@ -27,9 +27,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import heldout_chat_setup
-from jaxspec import distill_data as dd
-from jaxspec.feature_distill import load_feature_draft
+from jaxspec.bench.common import heldout_chat_setup
+from jaxspec.engine.draft_artifacts import load_feature_draft
+from jaxspec.training import distill_data as dd
 
 
 def draft_features(features: np.ndarray, layers: tuple[int, ...], draft_layers: tuple[int, ...]) -> np.ndarray:

@@ -5,11 +5,11 @@
 On held-out ShareGPT chat prompts (crc32(id) % 10 == 0, never trained on), every proposer runs k = --k at
 B = 8, at temperature 0 and 1, on the same prompts; recorded per proposer and temperature:
   * per-depth acceptance a_j = P(proposal j accepted | proposals < j accepted), over row-steps that verified
-    all k proposals (jaxspec.distill.EngineMeasure.depth_acceptance);
+    all k proposals (jaxspec.training.distill.EngineMeasure.depth_acceptance);
   * per-token acceptance α (the geometric-model MLE the goodput policy uses) and tokens per step;
   * greedy outputs compared with plain decoding token for token (must be equal);
 and per proposer the step time at B = 1 for k = 0 and k = --k: each proposer's compiled step executable
-alone (`jaxspec.floor.step_call`, the menu's window 256), every proposer's two steps called in turn, --repeats
+alone (`jaxspec.bench.floor.step_call`, the menu's window 256), every proposer's two steps called in turn, --repeats
 rounds, the median of each (so drift and other load hit every proposer alike; a proposer timed after another is
 not compared across minutes). The draft's cost per proposed token relative to a target step is
 (T(1, k) - T(1, 0)) / (k · T(1, 0)) (this includes verifying the k extra positions).
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import heldout_chat_setup
-from jaxspec.build import build_proposer
-from jaxspec.distill import measure_engine
-from jaxspec.engine import Engine
-from jaxspec.floor import interleaved_medians, step_call
+from jaxspec.bench.common import heldout_chat_setup
+from jaxspec.bench.floor import interleaved_medians, step_call
+from jaxspec.engine.build import build_proposer
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
+from jaxspec.training.distill import measure_engine
 from jaxspec.types import SamplingParams
 
 PROPOSERS = {"feature": ("draft", "feature"), "token": ("draft", "default"), "ngram": ("ngram", None)}

@@ -8,7 +8,7 @@ For each preset: the target has random weights (seeded) in `--dtype`; the propos
 NoisyProposer(α) over a draft model — `--draft self` (the target itself: acceptance exactly α at
 T = 0) or `truncated:N` (its first N layers, cheaper, acceptance ≤ α). Prompts are the benchmark
 workloads as byte ids folded into the vocabulary (no tokenizer), outputs `--max-tokens` long
-(ignore_eos). Then the same open-loop sweep as `jaxspec bench` (benchmarks/cli.py: service rate
+(ignore_eos). Then the same open-loop sweep as `jaxspec bench` (jaxspec/bench/cli.py: service rate
 measured, Poisson rates as fractions of it, policies none / fixed / goodput). A preset that does
 not fit the device memory is skipped with the error recorded. Writes gpu_bench.json (+ markdown
 and figures per preset) into --out.
@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.cli import Settings, _floats, _ints, _strs, check_goals, markdown_table, sweep
+from jaxspec.bench.cli import Settings, _floats, _ints, _strs, check_goals, markdown_table, sweep
 
 
 def main(argv=None) -> int:
@@ -47,15 +47,15 @@ def main(argv=None) -> int:
 
     import jax
 
-    from benchmarks.common import machine
-    from benchmarks.plots import plot_records
-    from jaxspec import compile_counter
-    from jaxspec.build import build_draft
-    from jaxspec.engine import enable_compilation_cache
-    from jaxspec.proposers.draft_model import DraftModelProposer
-    from jaxspec.proposers.noisy import NoisyProposer
-    from models.config import get_preset
-    from models.llama import random_model
+    from jaxspec.bench.common import machine
+    from jaxspec.bench.plots import plot_records
+    from jaxspec.engine import compile_counter
+    from jaxspec.engine.build import build_draft
+    from jaxspec.engine.engine import enable_compilation_cache
+    from jaxspec.models.config import get_preset
+    from jaxspec.models.llama import random_model
+    from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+    from jaxspec.speculation.proposers.noisy import NoisyProposer
 
     enable_compilation_cache()
     compile_counter.install()

@@ -34,7 +34,7 @@ cat "$PARTS"/target.gguf.part-* > "$WORK/target.gguf" || exit 3
 
 # 2) the build: on-policy target continuations of every carried prompt (features of layers 2, 15, 30 kept
 #    with them), then training; the last data shard is the held-out one the build reports agreement on
-timeout "${BUILD_LIMIT_S:-480}" "$PY" -m serving.cli distill --kind feature --model "$WORK/target.gguf" \
+timeout "${BUILD_LIMIT_S:-480}" "$PY" -m jaxspec.cli distill --kind feature --model "$WORK/target.gguf" \
   --prompts-file "$PROMPTS" --prompts 1000000 --prompt-len "${PROMPT_LEN:-256}" --rows "${ROWS:-256}" \
   --gen-len "${GEN_LEN:-128}" --data-minutes "${DATA_MINUTES:-3}" --tf-minutes 0 --tf-sequences 0 \
   --steps "${STEPS:-1500}" --batch "${BATCH:-64}" --lr 0.0015 --ttt-passes 3 --reg-weight 1.0 \

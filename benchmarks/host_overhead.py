@@ -8,7 +8,7 @@ is a visible share of every token, where on this CPU a 20–40 ms step hides it.
 host work where it can be seen: on a model whose step costs little (the `tiny` preset by default), at each
 batch size, for the same B rows decoding greedily with prompt lookup on a repetitive prompt:
 
-    executable  the compiled (B, k, W) step alone, called as `Engine.step` calls it (`jaxspec.floor`)
+    executable  the compiled (B, k, W) step alone, called as `Engine.step` calls it (`jaxspec.bench.floor`)
     engine      `Engine.step`: the shape choice, the call, the one host copy of the result, the bookkeeping
     scheduler   the scheduler's loop, per decode step, with each policy (its choose/observe included), the
                 requests' prefill excluded (the same B requests, max_tokens each, admitted at once)
@@ -29,15 +29,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks.common import machine
-from jaxspec.build import build_model, build_proposer
-from jaxspec.engine import Engine, enable_compilation_cache
-from jaxspec.floor import interleaved_medians, load
+from jaxspec.bench.common import machine
+from jaxspec.bench.floor import interleaved_medians, load
+from jaxspec.engine.build import build_model, build_proposer
+from jaxspec.engine.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu, StepKey
-from jaxspec.requests import Request
-from jaxspec.scheduler import Scheduler
+from jaxspec.scheduling.requests import Request
+from jaxspec.scheduling.scheduler import Scheduler
+from jaxspec.serving.runtime import build_policy
 from jaxspec.types import SamplingParams
-from serving.runtime import build_policy
 
 PROMPT_LEN = 48
 

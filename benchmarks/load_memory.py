@@ -5,7 +5,7 @@
 Each path runs in a fresh subprocess (so one path's allocations cannot lower or raise the other's
 peak) and loads the model into its serving layout on one device (`serving_split`, as an engine does):
 
-  streaming  `build_model(spec, dtype=...)`: models.loading.streaming, tensor by tensor.
+  streaming  `build_model(spec, dtype=...)`: jaxspec.models.loading.streaming, tensor by tensor.
   whole      the old path: `load_model(spec)` (whole float32 state dict) -> `from_hf_state_dict`
              (stacked, cast) -> `serving_split` (fused copy).
 
@@ -44,19 +44,19 @@ def _child(path: str, spec: str | None, dtype: str) -> dict:
     import jax
 
     from jaxspec.mesh import MeshSpec, make_mesh
-    from models.llama import serving_split
-    from models.sharding import Placement, plan_layout
+    from jaxspec.models.llama import serving_split
+    from jaxspec.models.sharding import Placement, plan_layout
 
     jax.devices()  # start the backend: part of the floor, not of the load
     floor = _rss_bytes()
     start = time.perf_counter()
     if path == "streaming":
-        from jaxspec.build import build_model
+        from jaxspec.engine.build import build_model
 
         model = build_model(spec, dtype=dtype).model
     else:
-        from models.llama import from_hf_state_dict
-        from models.loading import load_model
+        from jaxspec.models.llama import from_hf_state_dict
+        from jaxspec.models.loading import load_model
 
         def whole():
             loaded = load_model(spec)  # no cache dir: the file is dequantised here

@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from serving.client import GenerationClient
+from jaxspec.serving.client import GenerationClient
 
 DEFAULT_PROMPTS = (
     "Write a short story about a lighthouse keeper.",

@@ -91,10 +91,10 @@ def _decode(engine, batch: int, steps: int, peak_gbs: float | None) -> dict:
 def run_mesh(args, mesh: tuple[int, int], reference: list[list[int]] | None) -> dict:
     import jax
 
-    from jaxspec.build import build_model, load_menu
-    from jaxspec.engine import Engine
+    from jaxspec.engine.build import build_model, load_menu
+    from jaxspec.engine.engine import Engine
     from jaxspec.mesh import MeshSpec
-    from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+    from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 
     spec = MeshSpec(*mesh)
     record: dict = {"mesh": str(spec)}
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from benchmarks.common import machine
+    from jaxspec.bench.common import machine
 
     load_before = os.getloadavg()
     records, reference = [], None

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec import compile_counter
-from jaxspec.build import build_model, build_proposer
-from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.engine import compile_counter
+from jaxspec.engine.build import build_model, build_proposer
+from jaxspec.engine.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu
 from jaxspec.policy.base import Policy
 from jaxspec.policy.fixed import FixedPolicy, NoSpeculation
-from jaxspec.requests import Request
-from jaxspec.scheduler import Scheduler, SchedulerConfig
+from jaxspec.scheduling.requests import Request
+from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
 from jaxspec.types import SamplingParams
 
 TOPICS = ["a lighthouse keeper", "the history of tea", "how rainbows form", "a robot learning to paint",

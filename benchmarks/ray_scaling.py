@@ -63,7 +63,7 @@ def make_input(path: Path, prompts: int, max_tokens: int) -> None:
 
 def run_once(name: str, flags: list[str], inp: Path, work: Path) -> dict:
     out = work / f"{name}-{time.monotonic_ns()}.jsonl"
-    command = [sys.executable, "-m", "serving.cli", "batch", "--input", str(inp), "--output", str(out),
+    command = [sys.executable, "-m", "jaxspec.cli", "batch", "--input", str(inp), "--output", str(out),
                "--no-progress", *flags]
     before = load()
     t0 = time.perf_counter()

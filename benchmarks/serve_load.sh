@@ -9,11 +9,11 @@ mkdir -p "$out"
 for policy in goodput none; do
   port=$((50100 + RANDOM % 500))
   proposer=ngram; [ "$policy" = none ] && proposer=none
-  $py -m serving.cli serve --port "$port" --proposer "$proposer" --policy "$policy" --menu serve-small \
+  $py -m jaxspec.cli serve --port "$port" --proposer "$proposer" --policy "$policy" --menu serve-small \
       > "$out/server-$policy.log" 2>&1 &
   server=$!
   for _ in $(seq 600); do  # wait (up to 10 min) for warm-up + profiling: health SERVING
-    if $py -c "import sys; from serving.client import GenerationClient as C; sys.exit(C('127.0.0.1:$port').health() != 'SERVING')" 2>/dev/null; then break; fi
+    if $py -c "import sys; from jaxspec.serving.client import GenerationClient as C; sys.exit(C('127.0.0.1:$port').health() != 'SERVING')" 2>/dev/null; then break; fi
     sleep 1
   done
   $py -m benchmarks.load_test --target "127.0.0.1:$port" --rates "$rates" --requests "$requests" \

@@ -14,12 +14,12 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common import decode_tokens, machine
-from jaxspec.build import build_model
-from jaxspec.engine import Engine, enable_compilation_cache
+from jaxspec.bench.common import decode_tokens, machine
+from jaxspec.engine.build import build_model
+from jaxspec.engine.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu
-from jaxspec.proposers.draft_model import DraftModelProposer
-from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 
 PARAGRAPH = ("The James Webb Space Telescope observes the universe in infrared light. Its primary mirror is "
              "made of eighteen hexagonal segments coated with gold, and a sunshield the size of a tennis court "

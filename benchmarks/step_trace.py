@@ -5,14 +5,15 @@
 
 For each k: the default model's engine at B = 1 (prompt lookup for k > 0, one window bucket W = max_len),
 its compiled (1, k, W) step executable (the slot held at W − (k + 1) tokens, so every step attends its
-whole window) and the bare chain at T = k + 1 (`jaxspec/floor.py`) are each run
+whole window) and the bare chain at T = k + 1 (`jaxspec/bench/floor.py`) are each run
 `--calls` times under `jax.profiler` (a perfetto trace). Every traced kernel is matched by name to an
 instruction of its program's optimised HLO and summed per (category, kernel kind, output shape):
 
-    weight matmul  the panel and table matmul kernels (models/panel_matmul.py), or a dot or dot fusion whose output is
+    weight matmul  the panel and table matmul kernels (jaxspec/models/panel_matmul.py),
+                   or a dot or dot fusion whose output is
                    [T, X] (or [X, T]) with X a serving weight's output width (fused qkv, D, fused gate/up, V):
                    what the bare chain also does
-    attention      the cache-attention kernel (models/cache_attention.py), or in the XLA form the other dot
+    attention      the cache-attention kernel (jaxspec/models/cache_attention.py), or in the XLA form the other dot
                    fusions and the window copies (dynamic slices of the cache)
     other          everything else (norms, RoPE, cache writes, residual adds, verify and state updates)
 
@@ -35,16 +36,16 @@ from pathlib import Path
 
 import jax
 
-from benchmarks.common import machine
-from jaxspec.build import build_model, build_proposer
-from jaxspec.engine import Engine, enable_compilation_cache
-from jaxspec.floor import bare_chain, hold_context, interleaved_medians, load, step_call
+from jaxspec.bench.common import machine
+from jaxspec.bench.floor import bare_chain, hold_context, interleaved_medians, load, step_call
+from jaxspec.engine.build import build_model, build_proposer
+from jaxspec.engine.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu, StepKey
+from jaxspec.models.cache_attention import TARGET as CACHE_ATTENTION
+from jaxspec.models.panel_matmul import TABLE_TARGET as TABLE_MATMUL
+from jaxspec.models.panel_matmul import TARGET as PANEL_MATMUL
+from jaxspec.models.panel_matmul import PanelWeight
 from jaxspec.types import SamplingParams
-from models.cache_attention import TARGET as CACHE_ATTENTION
-from models.panel_matmul import TABLE_TARGET as TABLE_MATMUL
-from models.panel_matmul import TARGET as PANEL_MATMUL
-from models.panel_matmul import PanelWeight
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (\S+) (\S+?)\(", re.M)
 _FREE = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.cli import _floats, _ints
-from benchmarks.common import heldout_chat_setup
 from benchmarks.feature_draft_study import step_seconds
-from jaxspec.build import build_proposer
-from jaxspec.distill import measure_engine
-from jaxspec.engine import Engine
+from jaxspec.bench.cli import _floats, _ints
+from jaxspec.bench.common import heldout_chat_setup
+from jaxspec.engine.build import build_proposer
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu, TreeEnvelope
+from jaxspec.training.distill import measure_engine
 
 
 def _engine_groups(trees: list[TreeEnvelope]) -> list[tuple[TreeEnvelope, ...]]:

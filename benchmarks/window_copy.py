@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.floor import load
+from jaxspec.bench.floor import load
 
 L, M, E, X = 30, 2048, 192, 9
 

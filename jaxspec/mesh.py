@@ -1,8 +1,8 @@
 """The device mesh an engine runs on (docs/design.md, "Sharding"): `--mesh data=D,model=M` or `mesh:` in the
 engine config.
 
-`data` splits the KV cache slots, `model` is tensor parallelism (`models.sharding`). D × M devices are
-taken from `jax.devices()` (all processes' devices under multi-process JAX, `jaxspec.distributed`).
+`data` splits the KV cache slots, `model` is tensor parallelism (`jaxspec.models.sharding`). D × M devices are
+taken from `jax.devices()` (all processes' devices under multi-process JAX, `jaxspec.engine.distributed`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # jax is imported where a mesh is made: MeshSpec is a plain value (the fake engine has one)
     from jax.sharding import Mesh
 
-DATA, MODEL = "data", "model"  # the axis names models.sharding splits arrays over
+DATA, MODEL = "data", "model"  # the axis names jaxspec.models.sharding splits arrays over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ def make_mesh(spec: MeshSpec) -> Mesh:
     import jax
     from jax.sharding import AxisType
 
-    from models import sharding
+    from jaxspec.models import sharding
 
     assert (sharding.DATA, sharding.MODEL) == (DATA, MODEL)
     devices = jax.devices()

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from models.kv_cache import KVCache
+from jaxspec.models.kv_cache import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Proposals:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TreeProposals:
-    """A token tree per row, inside a static envelope of k nodes at most Z deep (jaxspec/tree.py).
+    """A token tree per row, inside a static envelope of k nodes at most Z deep (jaxspec/speculation/tree.py).
 
     token_ids: [B, k] int32 node tokens (padding past `lens` is ignored).
     parents:   [B, k] int32 parent of node n + 1 in the step's numbering: 0 is the root (the row's

@@ -1,4 +1,4 @@
-"""Test-only entry point: serving.batch_job.run_batch on the fake engine (jaxspec.fake_engine).
+"""Test-only entry point: jaxspec.serving.batch_job.run_batch on the fake engine (jaxspec.engine.fake).
 
     python -m tests.batch_job_entry IN.jsonl OUT.jsonl [--step-delay SECONDS]
 
@@ -16,10 +16,10 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxspec.fake_engine import FakeEngine  # noqa: E402
+from jaxspec.engine.fake import FakeEngine  # noqa: E402
 from jaxspec.menu import Menu  # noqa: E402
 from jaxspec.policy.fixed import FixedPolicy  # noqa: E402
-from serving.batch_job import run_batch  # noqa: E402
+from jaxspec.serving.batch_job import run_batch  # noqa: E402
 from tests.fake_tokenizer import EOS, FakeTokenizer, ascii_tokenizer  # noqa: E402
 
 MENU = Menu(num_slots=4, max_len=64, batch_buckets=(4,), k_menu=(0, 3), window_buckets=(64,),

@@ -15,10 +15,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxspec.engine import Engine, enable_compilation_cache  # noqa: E402
+from jaxspec.engine.engine import Engine, enable_compilation_cache  # noqa: E402
+from jaxspec.models.config import TINY  # noqa: E402
+from jaxspec.models.llama import random_model  # noqa: E402
 from jaxspec.types import SamplingParams  # noqa: E402
-from models.config import TINY  # noqa: E402
-from models.llama import random_model  # noqa: E402
 
 enable_compilation_cache()
 

@@ -1,12 +1,12 @@
 """Hand-checkable tokenizers for scheduler, detokenizer and batch-job tests.
 
-The ascii / byte tokenizers are serving's toy tokenizers (serving/toy_tokenizer.py); this adds
+The ascii / byte tokenizers are serving's toy tokenizers (jaxspec/serving/toy_tokenizer.py); this adds
 one whose pieces cut multi-byte UTF-8 characters apart, for streaming tests.
 """
 
 from __future__ import annotations
 
-from serving.toy_tokenizer import ASCII_ALPHABET, EOS, PAD, UNK, ToyTokenizer, ascii_tokenizer, byte_tokenizer
+from jaxspec.serving.toy_tokenizer import ASCII_ALPHABET, EOS, PAD, UNK, ToyTokenizer, ascii_tokenizer, byte_tokenizer
 
 FakeTokenizer = ToyTokenizer
 SPECIAL = (PAD, EOS, UNK)

@@ -17,8 +17,8 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxspec.engine_args import EngineArgs  # noqa: E402
-from serving import batch_cmd, ray_batch  # noqa: E402
+from jaxspec.engine.args import EngineArgs  # noqa: E402
+from jaxspec.serving import batch_cmd, ray_batch  # noqa: E402
 from tests import batch_job_entry  # noqa: E402
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxspec.engine import Engine
+from jaxspec.engine.engine import Engine
 from jaxspec.policy.fixed import NoSpeculation
+from jaxspec.serving import batch_job
+from jaxspec.serving.batch_job import BatchJobError, ResumableOutput, run_batch
 from jaxspec.types import SamplingParams
-from serving import batch_job
-from serving.batch_job import BatchJobError, ResumableOutput, run_batch
 from tests import batch_job_entry
 from tests.fake_tokenizer import ASCII_ALPHABET, EOS, ascii_tokenizer
 

@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from benchmarks import cli
+from jaxspec.bench import cli
 
 REQUIRED = {"workload", "proposer", "policy", "rate", "mean_latency_s", "p50_latency_s", "p99_latency_s",
             "mean_ttft_s", "mean_tpot_s", "tokens_per_s", "acceptance", "k_hist"}

@@ -5,8 +5,8 @@ import types
 import numpy as np
 import pytest
 
-from benchmarks.loadgen import poisson_arrivals, run_closed_loop, run_open_loop, summarize
-from jaxspec.requests import FinishReason
+from jaxspec.bench.loadgen import poisson_arrivals, run_closed_loop, run_open_loop, summarize
+from jaxspec.scheduling.requests import FinishReason
 
 
 def test_poisson_arrival_statistics():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers import RealPairIntegrityError, RealPairMissingError, SplitModel, assemble, part_files
+from jaxspec.bench.peers import RealPairIntegrityError, RealPairMissingError, SplitModel, assemble, part_files
 
 MODEL = SplitModel("fake", "fake-part{i}", 3, "0.1.0", "fake.gguf")
 

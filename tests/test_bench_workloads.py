@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.workloads import WORKLOADS, load_workload, parse_names
+from jaxspec.bench.workloads import WORKLOADS, load_workload, parse_names
 
 
 @pytest.mark.parametrize("name", WORKLOADS)

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.engine_args import EngineArgs
-from serving.cli import build_parser
+from jaxspec.cli import build_parser
+from jaxspec.engine.args import EngineArgs
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def jaxspec(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "serving.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "jaxspec.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -52,17 +52,6 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
-
-
-def test_unavailable_command_reports_why_whatever_its_flags(monkeypatch, capsys):
-    """A subcommand whose module cannot be imported (optional parts missing) exits 2 with the import error, also
-    when given that command's flags (argparse once answered 'unrecognized arguments' and hid the reason)."""
-    from serving import cli
-
-    monkeypatch.setitem(cli.COMMANDS, "generate", ("no_such_module_for_test", "add_arguments", "run", "help"))
-    assert cli.main(["generate", "hi", "--model", "tiny", "--temperature", "0"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("jaxspec: `jaxspec generate` is unavailable:") and "no_such_module_for_test" in err, err
 
 
 def test_unreadable_checkpoint(tmp_path):
@@ -168,7 +157,7 @@ def test_generate_on_a_mesh_prints_the_same_tokens(tmp_path):
     assert single.returncode == 0 and sharded.returncode == 0, single.stderr + sharded.stderr
     assert json.loads(sharded.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
     assert "mesh data=2,model=2: 4 cpu devices" in sharded.stderr
-    from jaxspec.build import load_menu, load_mesh
+    from jaxspec.engine.build import load_menu, load_mesh
 
     config = tmp_path / "menu.yaml"
     config.write_text("num_slots: 8\nmax_len: 128\nbatch_buckets: [1]\nk_menu: [0]\nwindow_buckets: [128]\n"
@@ -187,8 +176,8 @@ def test_generate_with_a_tree_under_goodput_marks_the_tree_steps(tmp_path, monke
     The cost profile is written here, so whether the tree is tried does not hang on this machine's timings:
     the tree's k costs a quarter of the chains' 1 ms, so the first step (no online evidence yet, the untried
     tree priced at depth + 1 tokens, the chains at k + 1) runs the tree."""
+    from jaxspec.engine.profiler import device_kind
     from jaxspec.policy.cost_model import CostEntry, CostProfile, ProfileKey
-    from jaxspec.profiler import device_kind
 
     profiles = tmp_path / "profiles"
     monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(profiles))

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from jaxspec.detokenizer import IncrementalDetokenizer, StopAfterFinishError
+from jaxspec.scheduling.detokenizer import IncrementalDetokenizer, StopAfterFinishError
 from tests.fake_tokenizer import EOS, ascii_tokenizer, byte_tokenizer, multibyte_tokenizer
 
 BYTES = byte_tokenizer()

@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec import sampling
-from jaxspec.distill import DraftArch, TrainConfig, Trainer, build_draft, load_draft, save_draft
-from jaxspec.distill_data import TargetGenerator, choose_vocab
+from jaxspec.engine.draft_artifacts import DraftArch, build_draft, load_draft, save_draft
+from jaxspec.models.config import TINY
+from jaxspec.models.draft import DraftLlama
+from jaxspec.models.llama import random_model
+from jaxspec.speculation import sampling
+from jaxspec.speculation.verify import verify
+from jaxspec.training.distill_data import TargetGenerator, choose_vocab
+from jaxspec.training.trainer import TrainConfig, Trainer
 from jaxspec.types import Proposals, RowParams
-from jaxspec.verify import verify
-from models.config import TINY
-from models.draft import DraftLlama
-from models.llama import random_model
 
 TINY_ARCH = DraftArch(name="t", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                       intermediate_size=64, vocab_keep=48, init_layers=None)
@@ -78,8 +79,8 @@ def test_checkpoint_resume_next_step_identical(tiny_setup, tmp_path):
 
 def test_projected_draft_cached_forward_matches_and_save_load(tiny_setup, tmp_path):
     target, data = tiny_setup
-    from models.kv_cache import init_cache
-    from models.llama import chain_inputs
+    from jaxspec.models.kv_cache import init_cache
+    from jaxspec.models.llama import chain_inputs
 
     keep = np.arange(0, TINY.vocab_size, 3)
     draft = build_draft(target, NARROW_ARCH, keep, seed=4)  # width 16 != embedding 32: projections
@@ -140,13 +141,13 @@ def test_pruned_vocab_draft_keeps_rejection_sampling_exact(temperature, top_p):
 
 @pytest.mark.slow
 def test_shipped_draft_greedy_equals_plain_decoding():
-    from jaxspec.distill import load_shipped_draft, shipped_draft_path
-    from jaxspec.engine import Engine
+    from jaxspec.engine.draft_artifacts import load_shipped_draft, shipped_draft_path
+    from jaxspec.engine.engine import Engine
     from jaxspec.menu import Menu
-    from jaxspec.proposers.draft_model import DraftModelProposer
+    from jaxspec.models.llama import from_hf_state_dict
+    from jaxspec.models.loading.registry import load_model
+    from jaxspec.speculation.proposers.draft_model import DraftModelProposer
     from jaxspec.types import SamplingParams
-    from models.llama import from_hf_state_dict
-    from models.loading.registry import load_model
 
     loaded = load_model(None)
     if not (shipped_draft_path(loaded.config) / "draft.json").is_file():

@@ -7,16 +7,17 @@ import argparse
 
 import pytest
 
-from jaxspec import distill
-from jaxspec import distill_data as dd
-from serving.toy_tokenizer import byte_tokenizer
+from jaxspec.serving.toy_tokenizer import byte_tokenizer
+from jaxspec.training import cli as distill_cli
+from jaxspec.training import distill_data as dd
+from jaxspec.training.prompts import prompt_flags, training_prompts
 
 ONE_MB = 1 << 20
 
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    distill.add_arguments(parser)
+    distill_cli.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -54,20 +55,20 @@ def test_training_prompts_from_a_prompts_file(tmp_path, capsys):
     path = tmp_path / "prompts.npz"
     prompts = [[3 + i, 4 + i, 5 + i] for i in range(10)]
     dd.save_prompt_ids(path, prompts, tok.vocab_size)
-    got = distill.training_prompts(tok, _args("--prompts-file", str(path), "--prompts", "4", "--prompt-len", "3"))
+    got = training_prompts(tok, _args("--prompts-file", str(path), "--prompts", "4", "--prompt-len", "3"))
     assert len(got) == 4 and sorted(got) == prompts[:4]  # the first 4 of the file, shuffled
-    got = distill.training_prompts(tok, _args("--prompts-file", str(path), "--prompts", "20", "--prompt-len", "3"))
+    got = training_prompts(tok, _args("--prompts-file", str(path), "--prompts", "20", "--prompt-len", "3"))
     assert sorted(got) == prompts
     assert "10 training prompts of the 20 asked for" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="a prompt of 3 tokens > --prompt-len 2"):
-        distill.training_prompts(tok, _args("--prompts-file", str(path), "--prompt-len", "2"))
+        training_prompts(tok, _args("--prompts-file", str(path), "--prompt-len", "2"))
     with pytest.raises(SystemExit, match="--prompts-file .*: .*vocabulary"):
         dd.save_prompt_ids(path, prompts, 64)
-        distill.training_prompts(tok, _args("--prompts-file", str(path), "--prompt-len", "3"))
+        training_prompts(tok, _args("--prompts-file", str(path), "--prompt-len", "3"))
 
 
 def test_the_recorded_recipe_names_the_prompt_flags():
-    assert distill.prompt_flags(_args()) == " --prompt-len 112 --rows 16"
-    assert distill.prompt_flags(_args("--all-turns", "--sharegpt-mb", "125", "--prompt-len", "256")) == \
+    assert prompt_flags(_args()) == " --prompt-len 112 --rows 16"
+    assert prompt_flags(_args("--all-turns", "--sharegpt-mb", "125", "--prompt-len", "256")) == \
         " --prompt-len 256 --rows 16 --all-turns --sharegpt-mb 125"
-    assert distill.prompt_flags(_args("--prompts-file", "p.npz")).endswith(" --prompts-file p.npz")
+    assert prompt_flags(_args("--prompts-file", "p.npz")).endswith(" --prompts-file p.npz")

@@ -1,4 +1,4 @@
-"""Multi-process JAX (jaxspec.distributed): two processes on 127.0.0.1 with CPU (gloo) collectives and a mesh
+"""Multi-process JAX (jaxspec.engine.distributed): two processes on 127.0.0.1 with CPU (gloo) collectives and a mesh
 data=1,model=2 spanning both run `jaxspec batch` through the scheduler; process 0 runs the job, process 1
 mirrors its engine calls.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.distributed import CONTROL_PORT_OFFSET, DistributedSpec, decode_params, encode_params
+from jaxspec.engine.distributed import CONTROL_PORT_OFFSET, DistributedSpec, decode_params, encode_params
 from jaxspec.types import SamplingParams
 
 pytestmark = pytest.mark.slow  # ~2 minutes on 2 CPU cores: four two-process jobs
@@ -83,7 +83,7 @@ def env_for(work: Path, devices: int | None = None, profiles: str = "profiles") 
 
 
 def batch_command(work: Path, input_name: str, output: Path, proposer: str, policy: str | None) -> list[str]:
-    cmd = [sys.executable, "-m", "serving.cli", "batch", "--model", "tiny", "--tokenizer", "ascii",
+    cmd = [sys.executable, "-m", "jaxspec.cli", "batch", "--model", "tiny", "--tokenizer", "ascii",
            "--menu", str(work / "menu.yaml"), "--mesh", "data=1,model=2", "--proposer", proposer,
            "--input", str(work / input_name), "--output", str(output), "--no-progress"]
     return cmd + (["--policy", policy] if policy else [])

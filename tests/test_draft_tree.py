@@ -1,4 +1,5 @@
-"""Draft-model token trees (jaxspec/proposers/draft_model.py `propose_tree`, docs/design.md "Token trees"): the
+"""Draft-model token trees
+(jaxspec/speculation/proposers/draft_model.py `propose_tree`, docs/design.md "Token trees"): the
 tree is the EAGLE-2 expansion a cache-free reference computes, `commit_tree` leaves the draft cache a chain's,
 and tree steps in the engine equal plain greedy decoding with nothing compiled after warm-up."""
 
@@ -9,15 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import compile_counter
-from jaxspec.engine import Engine
+from jaxspec.engine import compile_counter
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu, TreeEnvelope
-from jaxspec.proposers.base import StepContext
-from jaxspec.proposers.draft_model import DraftModelProposer, tree_width
-from jaxspec.sampling import row_keys
+from jaxspec.models.config import TINY
+from jaxspec.models.llama import chain_inputs
+from jaxspec.speculation.proposers.base import StepContext
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer, tree_width
+from jaxspec.speculation.sampling import row_keys
 from jaxspec.types import RowParams, SamplingParams
-from models.config import TINY
-from models.llama import chain_inputs
 from tests.conftest import random_prompts, reference_greedy
 from tests.test_engine_greedy import _truncated
 from tests.test_tree import mixed_batch_tree_counts
@@ -31,7 +32,7 @@ def _peaked(target):
     distributions, so its trees go deep (the random tiny models' are nearly flat)."""
     from flax import nnx
 
-    from models.draft import DraftLlama
+    from jaxspec.models.draft import DraftLlama
     return DraftLlama(target.config.replace(num_layers=1), embed=target.embed.value * 4.0,
                       keep_ids=np.arange(0, target.config.vocab_size, 2), rngs=nnx.Rngs(3))
 

@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import engine as engine_module
-from jaxspec.engine import Engine
+from jaxspec.engine import engine as engine_module
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu, TreeEnvelope
-from jaxspec.proposers.draft_model import DraftModelProposer
-from jaxspec.verify import verify_tree
-from models.llama import random_model
+from jaxspec.models.llama import random_model
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+from jaxspec.speculation.verify import verify_tree
 from tests.test_feature_draft_distribution import (
     CONFIG,
     TARGET_CONFIG,

@@ -12,23 +12,23 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec import compile_counter
-from jaxspec import engine as engine_module
-from jaxspec.build import build_model, truncated_copy
 from jaxspec.dtypes import DTYPES, resolve_dtype
-from jaxspec.engine import Engine
-from jaxspec.engine_args import EngineArgs
-from jaxspec.fake_engine import FakeEngine
+from jaxspec.engine import compile_counter
+from jaxspec.engine import engine as engine_module
+from jaxspec.engine.args import EngineArgs
+from jaxspec.engine.build import build_model, truncated_copy
+from jaxspec.engine.engine import Engine
+from jaxspec.engine.fake import FakeEngine
+from jaxspec.engine.profiler import profile_key
 from jaxspec.menu import Menu
+from jaxspec.models.config import TINY
+from jaxspec.models.kv_cache import init_cache
+from jaxspec.models.llama import chain_inputs
 from jaxspec.policy.cost_model import CostEntry, CostProfile, load_matching_profile
-from jaxspec.profiler import profile_key
-from jaxspec.proposers.draft_model import DraftModelProposer
-from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.speculation.verify import verify
 from jaxspec.types import Proposals, RowParams, SamplingParams
-from jaxspec.verify import verify
-from models.config import TINY
-from models.kv_cache import init_cache
-from models.llama import chain_inputs
 from tests.conftest import decode, random_prompts
 from tests.test_cli import jaxspec
 
@@ -74,7 +74,7 @@ def test_unknown_dtype_is_one_line_and_exit_2(argv):
 
 
 def test_assemble_engine_threads_the_dtype():
-    from serving.runtime import assemble_engine
+    from jaxspec.serving.runtime import assemble_engine
 
     args = dict(model="tiny", tokenizer="ascii")
     bf16, _, _ = assemble_engine(EngineArgs(**args, dtype="bfloat16"), MENU)

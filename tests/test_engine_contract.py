@@ -1,4 +1,4 @@
-"""The engine contract (`jaxspec.engine_api.EngineAPI`), checked on both engines that claim it:
+"""The engine contract (`jaxspec.engine.api.EngineAPI`), checked on both engines that claim it:
 the compiled JAX engine over the tiny model (draft proposer) and the fake engine. What the
 scheduler, the profiler and the servers rely on must hold for both, or tests on the fake engine
 would prove nothing about the real one."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec.engine import Engine
-from jaxspec.engine_api import EngineAPI, prefill_prompt
-from jaxspec.fake_engine import FakeEngine
+from jaxspec.engine.api import EngineAPI, prefill_prompt
+from jaxspec.engine.engine import Engine
+from jaxspec.engine.fake import FakeEngine
 from jaxspec.menu import CapacityError, CatchUpKey, Menu, MenuMissError, StepKey
-from jaxspec.proposers.draft_model import DraftModelProposer
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
 from jaxspec.types import SamplingParams
 
 MENU = Menu(num_slots=4, max_len=64, batch_buckets=(1, 4), k_menu=(0, 2, 3), window_buckets=(32, 64),

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec import compile_counter
-from jaxspec.engine import Engine
+from jaxspec.engine import compile_counter
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import CapacityError, Menu, MenuMissError
-from jaxspec.proposers.draft_model import DraftModelProposer
-from jaxspec.proposers.noisy import NoisyProposer
-from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.models.config import TINY, TINY_QWEN
+from jaxspec.models.llama import random_model
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+from jaxspec.speculation.proposers.noisy import NoisyProposer
+from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
-from models.config import TINY, TINY_QWEN
-from models.llama import random_model
 from tests.conftest import decode, random_prompts, reference_greedy
 
 MENU = Menu(num_slots=8, max_len=128, batch_buckets=(1, 8), k_menu=(0, 1, 2, 3, 4, 5, 6, 8),
@@ -45,7 +45,7 @@ def _proposers(target):
 
 def _truncated(target, layers: int):
     """A copy of the target with only its first `layers` layers (a cheap, imperfect draft)."""
-    from models.llama import from_hf_state_dict, to_hf_state_dict
+    from jaxspec.models.llama import from_hf_state_dict, to_hf_state_dict
     return from_hf_state_dict(target.config.replace(num_layers=layers), to_hf_state_dict(target))
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec import compile_counter
-from jaxspec.engine import Engine
+from jaxspec.engine import compile_counter
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu, StepKey
-from jaxspec.proposers.draft_model import DraftModelProposer
+from jaxspec.models.config import TINY
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
 from jaxspec.types import SamplingParams
-from models.config import TINY
 from tests.conftest import decode, random_prompts
 
 CONFIG = Menu(num_slots=8, max_len=128, batch_buckets=(1, 4, 8), k_menu=(0, 2, 3),

@@ -1,4 +1,5 @@
-"""The feature draft (models/feature_draft.py, jaxspec/proposers/feature_draft.py, jaxspec/feature_distill.py).
+"""The feature draft (jaxspec/models/feature_draft.py,
+jaxspec/speculation/proposers/feature_draft.py, jaxspec/training/feature_distill.py).
 
 Model: the training-time-test passes are exactly the serving draft's entries at depths 1..J. Engine: greedy
 output equals plain decoding for every k and batch mix; lazy catch-up from the stored features builds bitwise
@@ -16,23 +17,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.distill import TrainConfig, Trainer
-from jaxspec.distill_data import TargetGenerator, choose_vocab
-from jaxspec.engine import Engine
-from jaxspec.feature_distill import (
-    FeatureArch,
-    build_feature_draft,
-    feature_loss,
-    load_feature_draft,
-    save_feature_draft,
-)
+from jaxspec.engine.draft_artifacts import FeatureArch, build_feature_draft, load_feature_draft, save_feature_draft
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
-from jaxspec.proposers.feature_draft import FeatureDraftProposer
+from jaxspec.models.config import TINY
+from jaxspec.models.feature_draft import FeatureDraft, feature_draft_config, ttt_mask
+from jaxspec.models.kv_cache import init_cache
+from jaxspec.models.llama import chain_inputs
+from jaxspec.speculation.proposers.feature_draft import FeatureDraftProposer
+from jaxspec.training.distill_data import TargetGenerator, choose_vocab
+from jaxspec.training.feature_distill import feature_loss
+from jaxspec.training.trainer import TrainConfig, Trainer
 from jaxspec.types import SamplingParams
-from models.config import TINY
-from models.feature_draft import FeatureDraft, feature_draft_config, ttt_mask
-from models.kv_cache import init_cache
-from models.llama import chain_inputs
 from tests.conftest import assert_draft_caches_equal, decode, random_prompts, reference_greedy
 
 MENU = Menu(num_slots=8, max_len=128, batch_buckets=(1, 8), k_menu=(0, 1, 2, 3, 5), window_buckets=(128,),
@@ -185,7 +181,7 @@ def test_checkpoint_resume_next_step_identical(tiny_model, tiny_data, tmp_path):
 
 
 def test_save_load_and_build_from_a_directory(tiny_model, trained, tmp_path):
-    from jaxspec.build import build_proposer
+    from jaxspec.engine.build import build_proposer
 
     draft = trained[0].model()
     save_feature_draft(tmp_path / "feature", draft, ARCH, TINY, dtype=np.float32)
@@ -198,7 +194,7 @@ def test_save_load_and_build_from_a_directory(tiny_model, trained, tmp_path):
     with pytest.raises(FileNotFoundError, match="no feature draft"):
         load_feature_draft(tmp_path / "missing", tiny_model)
     other = dataclasses.replace(TINY, hidden_size=16, head_dim=4)
-    from models.llama import random_model
+    from jaxspec.models.llama import random_model
     with pytest.raises(ValueError, match="trained for tiny"):
         load_feature_draft(tmp_path / "feature", random_model(other))
 
@@ -207,9 +203,9 @@ def test_save_load_and_build_from_a_directory(tiny_model, trained, tmp_path):
 def test_shipped_feature_draft_greedy_equals_plain_decoding_and_is_accepted():
     """The shipped feature draft of the default target: greedy k = 3 equals plain decoding on two chat prompts,
     and proposals are accepted (per-token α about 0.41 on held-out chat), so the equality is not vacuous."""
-    from jaxspec.feature_distill import load_shipped_feature_draft
-    from models.llama import from_hf_state_dict
-    from models.loading.registry import load_model
+    from jaxspec.engine.draft_artifacts import load_shipped_feature_draft
+    from jaxspec.models.llama import from_hf_state_dict
+    from jaxspec.models.loading.registry import load_model
 
     loaded = load_model(None)
     target = from_hf_state_dict(loaded.config, loaded.state_dict)

@@ -26,15 +26,15 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 
-from jaxspec import engine as engine_module
-from jaxspec import sampling
-from jaxspec.engine import Engine
-from jaxspec.feature_distill import FeatureArch, build_feature_draft
+from jaxspec.engine import engine as engine_module
+from jaxspec.engine.draft_artifacts import FeatureArch, build_feature_draft
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
-from jaxspec.proposers.feature_draft import FeatureDraftProposer
+from jaxspec.models.config import TINY
+from jaxspec.models.llama import random_model
+from jaxspec.speculation import sampling
+from jaxspec.speculation.proposers.feature_draft import FeatureDraftProposer
 from jaxspec.types import RowParams, SamplingParams
-from models.config import TINY
-from models.llama import random_model
 from tests.test_sampling_distribution import ALPHA, N, V, _first_token_biased, _pearson
 
 K, SLOTS, CAPS = 3, 512, (3, 3, 1, 0)

@@ -1,4 +1,5 @@
-"""The fused-feature draft (EAGLE-3's low/mid/high fusion; models/feature_draft.py, `feature_layers` with n > 1).
+"""The fused-feature draft (EAGLE-3's low/mid/high fusion;
+jaxspec/models/feature_draft.py, `feature_layers` with n > 1).
 
 Target: the features collected in the serving pass equal the cache-free forward's, and the last block is the last
 hidden state. Draft: an untrained fused draft is the single-layer draft (its `reduce` starts as the identity on
@@ -16,23 +17,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.distill import TrainConfig, Trainer
-from jaxspec.distill_data import TargetGenerator, choose_vocab, refeature_shards
-from jaxspec.engine import Engine
-from jaxspec.feature_distill import (
-    FeatureArch,
-    build_feature_draft,
-    feature_loss,
-    load_feature_draft,
-    save_feature_draft,
-)
+from jaxspec.engine.draft_artifacts import FeatureArch, build_feature_draft, load_feature_draft, save_feature_draft
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
-from jaxspec.proposers.feature_draft import FeatureDraftProposer
+from jaxspec.models.config import TINY
+from jaxspec.models.feature_draft import FeatureDraft, feature_draft_config
+from jaxspec.models.kv_cache import init_cache
+from jaxspec.models.llama import chain_inputs
+from jaxspec.speculation.proposers.feature_draft import FeatureDraftProposer
+from jaxspec.training.distill_data import TargetGenerator, choose_vocab, refeature_shards
+from jaxspec.training.feature_distill import feature_loss
+from jaxspec.training.trainer import TrainConfig, Trainer
 from jaxspec.types import SamplingParams
-from models.config import TINY
-from models.feature_draft import FeatureDraft, feature_draft_config
-from models.kv_cache import init_cache
-from models.llama import chain_inputs
 from tests.conftest import assert_draft_caches_equal, decode, random_prompts, reference_greedy
 
 LAYERS = (1, TINY.num_layers)  # "low" and last of the 2-layer tiny target
@@ -188,7 +184,7 @@ def test_layers_must_end_with_the_targets_last():
 def test_feature_fuse_flag_refuses_a_bad_list(capsys):
     import argparse
 
-    from jaxspec.distill import add_arguments
+    from jaxspec.training.cli import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

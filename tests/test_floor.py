@@ -1,4 +1,4 @@
-"""The floor reference (jaxspec/floor.py): the bare chain computes what its docstring says, and the
+"""The floor reference (jaxspec/bench/floor.py): the bare chain computes what its docstring says, and the
 step-vs-bare table and window growth cover every (k, W) of the menu with consistent arithmetic."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec.engine import Engine
-from jaxspec.floor import bare_chain, kv_window_mb, step_vs_bare, uses_panels, window_growth
+from jaxspec.bench.floor import bare_chain, kv_window_mb, step_vs_bare, uses_panels, window_growth
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
-from jaxspec.proposers.prompt_lookup import PromptLookupProposer
-from models.panel_matmul import PanelWeight, unpack_panels
+from jaxspec.models.panel_matmul import PanelWeight, unpack_panels
+from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,12 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxspec.engine import Engine  # noqa: E402
+from jaxspec.engine.engine import Engine  # noqa: E402
 from jaxspec.menu import Menu  # noqa: E402
+from jaxspec.models.config import TINY_QWEN  # noqa: E402
+from jaxspec.models.llama import random_model, serving_layers, to_hf_state_dict  # noqa: E402
+from jaxspec.models.loading import resolve_model, write_safetensors_dir  # noqa: E402
 from jaxspec.types import SamplingParams  # noqa: E402
-from models.config import TINY_QWEN  # noqa: E402
-from models.llama import random_model, serving_layers, to_hf_state_dict  # noqa: E402
-from models.loading import resolve_model, write_safetensors_dir  # noqa: E402
 
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -44,7 +44,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def pair():
-    from jaxspec.build import build_model
+    from jaxspec.engine.build import build_model
     path = resolve_model(None).path
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32)

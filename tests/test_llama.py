@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.config import PRESETS, TINY, TINY_QWEN
-from models.kv_cache import cache_bytes, init_cache
-from models.llama import Llama, StepInputs, chain_inputs, from_hf_state_dict, random_model, to_hf_state_dict
+from jaxspec.models.config import PRESETS, TINY, TINY_QWEN
+from jaxspec.models.kv_cache import cache_bytes, init_cache
+from jaxspec.models.llama import Llama, StepInputs, chain_inputs, from_hf_state_dict, random_model, to_hf_state_dict
 
 
 @pytest.mark.parametrize("config", [TINY, TINY_QWEN], ids=lambda c: c.name)

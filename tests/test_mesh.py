@@ -12,18 +12,18 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec import compile_counter
-from jaxspec.engine import Engine
-from jaxspec.feature_distill import FeatureArch, build_feature_draft
+from jaxspec.engine import compile_counter
+from jaxspec.engine.draft_artifacts import FeatureArch, build_feature_draft
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu, TreeEnvelope
 from jaxspec.mesh import MeshSpec
-from jaxspec.proposers.draft_model import DraftModelProposer
-from jaxspec.proposers.feature_draft import FeatureDraftProposer
-from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.models.config import TINY, TINY_DRAFT
+from jaxspec.models.llama import random_model
+from jaxspec.models.sharding import ShardingError
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+from jaxspec.speculation.proposers.feature_draft import FeatureDraftProposer
+from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
-from models.config import TINY, TINY_DRAFT
-from models.llama import random_model
-from models.sharding import ShardingError
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (tests/conftest.py forces 8 on CPU)")
 
@@ -176,7 +176,7 @@ def test_real_smollm2_on_model_3_equals_one_device():
     """The real default model (9 query heads, 3 kv heads) tensor parallel over 3 devices, with the shipped
     draft (the k = 0 steps of the schedule are plain decoding): the same tokens, nothing compiled after
     warm-up. Prompt lookup on a mesh is covered on the tiny model (`test_mesh_output_equals_single_device`)."""
-    from jaxspec.build import build_model, build_proposer
+    from jaxspec.engine.build import build_model, build_proposer
 
     menu = Menu(num_slots=4, max_len=256, batch_buckets=(4,), k_menu=(0, 2), window_buckets=(256,),
                 prefill_buckets=(64,))

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec.engine import Engine
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
-from jaxspec.proposers.base import Proposer
-from jaxspec.proposers.draft_model import DraftModelProposer
-from jaxspec.proposers.noisy import NoisyProposer
+from jaxspec.models.config import TINY
+from jaxspec.speculation.proposers.base import Proposer
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+from jaxspec.speculation.proposers.noisy import NoisyProposer
 from jaxspec.types import SamplingParams
-from models.config import TINY
 from tests.conftest import random_prompts
 
 CONFIG = Menu(num_slots=4, max_len=128, batch_buckets=(4,), k_menu=(0, 4), window_buckets=(128,),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxspec.output import OutputDelta, OutputProcessor
-from jaxspec.requests import FinishReason
+from jaxspec.scheduling.output import OutputDelta, OutputProcessor
+from jaxspec.scheduling.requests import FinishReason
 from jaxspec.types import SamplingParams
 from tests.fake_tokenizer import EOS, ascii_tokenizer
 

@@ -20,10 +20,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from jaxspec.engine_args import EngineArgs  # noqa: E402
-from serving import cli, ray_batch  # noqa: E402
-from serving.batch_job import BatchJobError  # noqa: E402
-from serving.ray_batch import RayBatchConfig, run_ray_batch  # noqa: E402
+from jaxspec import cli  # noqa: E402
+from jaxspec.engine.args import EngineArgs  # noqa: E402
+from jaxspec.serving import ray_batch  # noqa: E402
+from jaxspec.serving.batch_job import BatchJobError  # noqa: E402
+from jaxspec.serving.ray_batch import RayBatchConfig, run_ray_batch  # noqa: E402
 from tests import ray_batch_entry  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from jaxspec.build import build_model, truncated_copy
-from jaxspec.engine import Engine
+from jaxspec.engine.build import build_model, truncated_copy
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
-from jaxspec.proposers.draft_model import DraftModelProposer
-from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 from tests.conftest import decode
 
 pytestmark = pytest.mark.slow

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from jaxspec.fake_engine import FakeEngine
+from jaxspec.engine.fake import FakeEngine
 from jaxspec.menu import Menu
-from jaxspec.requests import (
+from jaxspec.scheduling.requests import (
     FinishReason,
     InvalidRequestError,
     Request,

@@ -1,4 +1,4 @@
-"""Warping (jaxspec/sampling.py): the order of top-k and top-p, tiny top_p, batch independence,
+"""Warping (jaxspec/speculation/sampling.py): the order of top-k and top-p, tiny top_p, batch independence,
 and the sampling values the device is given."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import sampling
-from jaxspec.engine import Engine
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
-from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.models.config import TINY
+from jaxspec.speculation import sampling
+from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.speculation.verify import verify
 from jaxspec.types import Proposals, RowParams, SamplingParams
-from jaxspec.verify import verify
-from models.config import TINY
 from tests.conftest import decode, random_prompts, reference_greedy
 
 # a permuted distribution, so nothing relies on the input being sorted: sorted, it is .4 .3 .2 .1

@@ -40,9 +40,9 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 
-from jaxspec import sampling
+from jaxspec.speculation import sampling
+from jaxspec.speculation.verify import verify
 from jaxspec.types import Proposals, RowParams
-from jaxspec.verify import verify
 
 V, K, N = 8, 3, 2**19
 PENDING = 0  # the token before the step (position 0's context)

@@ -1,7 +1,7 @@
 """Continuous batching: outputs, streaming, stops, cancellation, failure isolation, queue limits,
 threads, timings and step listeners.
 
-Most tests run on the fake engine (jaxspec.fake_engine: token after t is t + 1 mod V), so every
+Most tests run on the fake engine (jaxspec.engine.fake: token after t is t + 1 mod V), so every
 output is known by hand and no XLA compile runs. A few end-to-end tests at the end use the real
 tiny engine: batched greedy == one at a time for every proposer, and a failed step's reset.
 """
@@ -15,14 +15,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.engine import Engine
-from jaxspec.fake_engine import FakeEngine
+from jaxspec.engine.engine import Engine
+from jaxspec.engine.fake import FakeEngine
 from jaxspec.menu import Menu
 from jaxspec.policy.base import BatchView, Decision
 from jaxspec.policy.fixed import FixedPolicy, NoSpeculation
-from jaxspec.proposers.draft_model import DraftModelProposer
-from jaxspec.proposers.prompt_lookup import PromptLookupProposer
-from jaxspec.requests import (
+from jaxspec.scheduling.requests import (
     FinishReason,
     InvalidRequestError,
     QueueFullError,
@@ -30,7 +28,9 @@ from jaxspec.requests import (
     RequestResult,
     SchedulerClosedError,
 )
-from jaxspec.scheduler import Scheduler, SchedulerConfig, StepStats
+from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig, StepStats
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
 from tests.fake_tokenizer import ASCII_ALPHABET, EOS, ascii_tokenizer, multibyte_tokenizer
 

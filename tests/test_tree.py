@@ -1,4 +1,4 @@
-"""Token trees (jaxspec/tree.py, docs/design.md "Token trees"): masks, the prompt-lookup trie, the
+"""Token trees (jaxspec/speculation/tree.py, docs/design.md "Token trees"): masks, the prompt-lookup trie, the
 accepted path, compaction, and tree steps in the engine equal to plain greedy decoding."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import compile_counter
-from jaxspec import tree as tree_lib
-from jaxspec.engine import Engine
+from jaxspec.engine import compile_counter
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu, TreeEnvelope
-from jaxspec.proposers.base import StepContext
-from jaxspec.proposers.prompt_lookup import PromptLookupProposer
-from jaxspec.sampling import row_keys
+from jaxspec.models.kv_cache import init_cache
+from jaxspec.models.llama import chain_inputs, serving_split
+from jaxspec.speculation import tree as tree_lib
+from jaxspec.speculation.proposers.base import StepContext
+from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.speculation.sampling import row_keys
+from jaxspec.speculation.verify import verify_tree
 from jaxspec.types import RowParams, SamplingParams, TreeProposals
-from jaxspec.verify import verify_tree
-from models.kv_cache import init_cache
-from models.llama import chain_inputs, serving_split
 from tests.conftest import random_prompts, reference_greedy
 
 
@@ -173,8 +173,8 @@ def test_a_menu_holds_each_tree_at_its_k_and_refuses_bad_envelopes():
 
 
 def test_an_engine_refuses_trees_from_a_proposer_that_cannot_build_them(tiny_model):
-    from jaxspec.proposers.draft_model import DraftModelProposer
-    from jaxspec.proposers.noisy import NoisyProposer
+    from jaxspec.speculation.proposers.draft_model import DraftModelProposer
+    from jaxspec.speculation.proposers.noisy import NoisyProposer
 
     with pytest.raises(ValueError, match="token trees"):
         Engine(tiny_model, NoisyProposer(DraftModelProposer(tiny_model), 0.5, tiny_model.config.vocab_size),
@@ -230,7 +230,7 @@ def test_real_smollm2_tree_steps_equal_plain_greedy_decoding():
     real branches): tree steps of 8 nodes from prompt lookup (at most 4 deep) and from the shipped draft
     (at most 3 deep, EAGLE-2-style) give the plain engine's greedy tokens, accept more than one token per
     step on average, and compile nothing after warm-up."""
-    from jaxspec.build import build_model, build_proposer
+    from jaxspec.engine.build import build_model, build_proposer
 
     built = build_model(None)
     menu = Menu(num_slots=1, max_len=512, batch_buckets=(1,), k_menu=(0, 8), window_buckets=(512,),

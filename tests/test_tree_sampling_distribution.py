@@ -1,4 +1,5 @@
-"""Tree verification preserves the target distribution at every emitted position (jaxspec.verify.verify_tree).
+"""Tree verification preserves the target distribution at every emitted position
+(jaxspec.speculation.verify.verify_tree).
 
 Setup. V = 8 tokens and one tree shape inside the envelope N = 6, D = 3::
 
@@ -35,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import sampling
-from jaxspec import tree as tree_lib
+from jaxspec.speculation import sampling
+from jaxspec.speculation import tree as tree_lib
+from jaxspec.speculation.verify import verify_tree
 from jaxspec.types import TreeProposals
-from jaxspec.verify import verify_tree
 from tests.test_sampling_distribution import PENDING, N, V, _params, _warped, biased_first_token, position_p_values
 
 DEPTH = 3  # V = 8 tokens, N = 2^19 rows and the pending token: those of tests/test_sampling_distribution.py

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from models.loading import ModelLoadError
-from models.loading.registry import DEFAULT_MODEL, PACKAGED, packaged_path
+from jaxspec.models.loading import ModelLoadError
+from jaxspec.models.loading.registry import DEFAULT_MODEL, PACKAGED, packaged_path
 
 
 def default_gguf_path() -> Path:

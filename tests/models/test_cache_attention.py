@@ -1,4 +1,4 @@
-"""The XLA:CPU cache-attention kernel (models/cache_attention.py): same result as the XLA form, each query
+"""The XLA:CPU cache-attention kernel (jaxspec/models/cache_attention.py): same result as the XLA form, each query
 row independent of the rest of the call, bad slot ids refused, and used exactly where it applies."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from jaxspec.engine import Engine
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu, StepKey
-from models.cache_attention import MAX_STEP_TOKENS, TARGET, cache_attention, reads_cache_in_place, xla_form_only
-from models.config import TINY
-from models.llama import attention
+from jaxspec.models.cache_attention import MAX_STEP_TOKENS, TARGET, cache_attention, reads_cache_in_place, xla_form_only
+from jaxspec.models.config import TINY
+from jaxspec.models.llama import attention
 from tests.conftest import decode, random_prompts
 
 S1, M = 5, 640  # cache slots (+ scratch) and positions

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from models.config import SMOLLM2_135M, TINY, ModelConfig
-from models.loading import (
+from jaxspec.models.config import SMOLLM2_135M, TINY, ModelConfig
+from jaxspec.models.loading import (
     ModelLoadError,
     expected_shapes,
     is_converted_dir,
@@ -26,8 +26,8 @@ from models.loading import (
     save_converted,
     write_safetensors_dir,
 )
-from models.loading.gguf import permute_qk, unpermute_qk
-from models.loading.registry import DEFAULT_MODEL
+from jaxspec.models.loading.gguf import permute_qk, unpermute_qk
+from jaxspec.models.loading.registry import DEFAULT_MODEL
 from tests.models.conftest import default_gguf_path
 
 # Big enough in every input dim (256) for K-quant blocks, small enough to write in milliseconds.
@@ -337,7 +337,7 @@ def test_load_model_from_directories(tmp_path):
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY.vocab_size)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.ByteLevel()
-    from models.loading import TextTokenizer
+    from jaxspec.models.loading import TextTokenizer
 
     tokenizer = TextTokenizer(tok, bos_token_id=None, eos_token_ids=(1, 3))
     state = random_state(TINY)

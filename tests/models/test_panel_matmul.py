@@ -1,4 +1,5 @@
-"""The panel and table matmul kernels (models/panel_matmul.py, models/csrc/panel_matmul.cc): the products they
+"""The panel and table matmul kernels (jaxspec/models/panel_matmul.py,
+jaxspec/models/csrc/panel_matmul.cc): the products they
 compute, rows independent to the bit, the packing, their errors, and the serving layers and LM head that use
 them."""
 
@@ -9,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.cache_attention import xla_form_only
-from models.config import TINY, TINY_QWEN
-from models.llama import random_model, serving_split
-from models.panel_matmul import (
+from jaxspec.models.cache_attention import xla_form_only
+from jaxspec.models.config import TINY, TINY_QWEN
+from jaxspec.models.llama import random_model, serving_split
+from jaxspec.models.panel_matmul import (
     PANEL,
     TABLE_TARGET,
     TARGET,
@@ -24,7 +25,7 @@ from models.panel_matmul import (
     unpack_panels,
     uses_panel_weights,
 )
-from models.sharding import Placement
+from jaxspec.models.sharding import Placement
 
 # (K, N): whole panels, a last panel partly padding, a single narrow panel, a weight large enough to be split
 # over threads (≥ 1 MB), and a long contraction

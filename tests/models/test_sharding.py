@@ -1,5 +1,5 @@
 """The shardings of the real configs (docs/design.md, "Sharding"), read without allocating a weight:
-global shapes from `jax.eval_shape` (`models.llama.serving_shapes`), per-device shapes from each
+global shapes from `jax.eval_shape` (`jaxspec.models.llama.serving_shapes`), per-device shapes from each
 array's `NamedSharding.shard_shape`, on meshes of the 8 forced host devices (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import NamedSharding
 
 from jaxspec.mesh import MeshSpec, make_mesh
-from models.config import QWEN25_15B, SMOLLM2_135M, ModelConfig
-from models.llama import serving_shapes
-from models.sharding import (
+from jaxspec.models.config import QWEN25_15B, SMOLLM2_135M, ModelConfig
+from jaxspec.models.llama import serving_shapes
+from jaxspec.models.sharding import (
     ShardingError,
     TensorParallelLayout,
     cache_spec,

@@ -1,4 +1,4 @@
-"""Streaming loads (models.loading.streaming): the same serving weights and tokens as the whole-state-dict
+"""Streaming loads (jaxspec.models.loading.streaming): the same serving weights and tokens as the whole-state-dict
 path, and never more than one float32 tensor (or, for float32 weights, one layer) alive at a time."""
 
 from __future__ import annotations
@@ -10,17 +10,24 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxspec.build import build_draft, build_model
-from jaxspec.engine import Engine
+from jaxspec.engine.build import build_draft, build_model
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
 from jaxspec.mesh import MeshSpec, make_mesh
+from jaxspec.models.config import TINY, TINY_QWEN
+from jaxspec.models.llama import from_hf_state_dict, is_serving_only, random_model, serving_split, to_hf_state_dict
+from jaxspec.models.loading import (
+    TextTokenizer,
+    load_model,
+    read_gguf,
+    save_converted,
+    streaming,
+    write_safetensors_dir,
+)
+from jaxspec.models.loading import gguf as gguf_module
+from jaxspec.models.loading.layout import expected_shapes
+from jaxspec.models.sharding import Placement, TensorParallelLayout, serving_placement
 from jaxspec.types import SamplingParams
-from models.config import TINY, TINY_QWEN
-from models.llama import from_hf_state_dict, is_serving_only, random_model, serving_split, to_hf_state_dict
-from models.loading import TextTokenizer, load_model, read_gguf, save_converted, streaming, write_safetensors_dir
-from models.loading import gguf as gguf_module
-from models.loading.layout import expected_shapes
-from models.sharding import Placement, TensorParallelLayout, serving_placement
 from tests.models.test_loading import QUANT_CONFIG, random_state, write_gguf
 
 

@@ -6,9 +6,9 @@ import pytest
 import tokenizers
 from tokenizers import AddedToken, decoders, pre_tokenizers
 
-from jaxspec.detokenizer import IncrementalDetokenizer
-from models.loading import ModelLoadError, TextTokenizer
-from models.loading.tokenizer import _byte_to_char
+from jaxspec.models.loading import ModelLoadError, TextTokenizer
+from jaxspec.models.loading.tokenizer import _byte_to_char
+from jaxspec.scheduling.detokenizer import IncrementalDetokenizer
 from tests.models.conftest import default_gguf_path
 
 TEXTS = [
@@ -187,7 +187,7 @@ def test_split_patterns_match_transformers():
     except ImportError:
         pytest.skip("this transformers version keeps its split patterns elsewhere")
 
-    from models.loading import tokenizer as module
+    from jaxspec.models.loading import tokenizer as module
 
     assert module._QWEN2_SPLIT == PRETOKENIZE_REGEX
     assert module._LLAMA3_SPLIT == _LLAMA3_SPLIT

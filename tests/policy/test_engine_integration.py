@@ -6,16 +6,16 @@ import time
 
 import numpy as np
 
-from jaxspec import compile_counter, profiler
-from jaxspec.engine import Engine
+from jaxspec.engine import compile_counter, profiler
+from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
+from jaxspec.models.config import TINY
 from jaxspec.policy.acceptance import AcceptanceTracker
 from jaxspec.policy.base import BatchView
 from jaxspec.policy.cost_model import CostModel
 from jaxspec.policy.goodput import GoodputPerRequestPolicy, GoodputPolicy
-from jaxspec.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
-from models.config import TINY
 from tests.conftest import random_prompts
 from tests.policy.sim import linear_cost, synthetic_cost_model
 

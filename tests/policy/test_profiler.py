@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from jaxspec import profiler
-from jaxspec.fake_engine import FakeEngine
+from jaxspec.engine import profiler
+from jaxspec.engine.fake import FakeEngine
 from jaxspec.menu import Menu, step_shape
 from jaxspec.policy.cost_model import CostModel, load_matching_profile
 from tests.policy.sim import Clock, linear_cost

@@ -1,6 +1,6 @@
 """Shared pieces of the serving tests: fake and tiny engines, a step gate, servers on ephemeral ports.
 
-Most server tests run on `jaxspec.fake_engine.FakeEngine` (the engine contract without XLA: next token =
+Most server tests run on `jaxspec.engine.fake.FakeEngine` (the engine contract without XLA: next token =
 previous + 1 mod 64, the first `accept` proposals right); a few end-to-end ones use the real tiny engine."""
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.engine import Engine
-from jaxspec.engine_api import EngineAPI
-from jaxspec.fake_engine import FakeEngine
+from jaxspec.engine.api import EngineAPI
+from jaxspec.engine.engine import Engine
+from jaxspec.engine.fake import FakeEngine
 from jaxspec.menu import Menu
 from jaxspec.policy.acceptance import AcceptanceTracker
 from jaxspec.policy.cost_model import OnlineCostConfig
 from jaxspec.policy.goodput import GoodputPolicy
-from serving.client import GenerationClient
-from serving.serve_config import ServeConfig
-from serving.service import GenerationServer
+from jaxspec.serving.client import GenerationClient
+from jaxspec.serving.serve_config import ServeConfig
+from jaxspec.serving.service import GenerationServer
 from tests.policy.sim import linear_cost, synthetic_cost_model
 
 HOST = "127.0.0.1"

@@ -1,6 +1,6 @@
 """Test-only: `python -m tests.serving.serve_entry [jaxspec serve flags]`.
 
-Exactly `jaxspec serve` (serving.cli), except that every engine step first sleeps
+Exactly `jaxspec serve` (jaxspec.cli), except that every engine step first sleeps
 $JAXSPEC_TEST_STEP_DELAY seconds, so a test can signal the server while streams are in flight.
 """
 
@@ -12,8 +12,8 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxspec.engine import Engine  # noqa: E402
-from serving import cli  # noqa: E402
+from jaxspec import cli  # noqa: E402
+from jaxspec.engine.engine import Engine  # noqa: E402
 
 DELAY = float(os.environ["JAXSPEC_TEST_STEP_DELAY"])
 _step = Engine.step

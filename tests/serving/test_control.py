@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
-from jaxspec.fake_engine import FakeEngine
-from serving.proto.jaxspec.v1 import generation_pb2 as pb
-from serving.serve_config import ServeConfig
-from serving.service import SERVICE_NAME, GenerationServer
+from jaxspec.engine.fake import FakeEngine
+from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
+from jaxspec.serving.serve_config import ServeConfig
+from jaxspec.serving.service import SERVICE_NAME, GenerationServer
 from tests.fake_tokenizer import ascii_tokenizer
 from tests.serving.conftest import (
     HOST,
@@ -166,8 +166,8 @@ def test_unavailable_and_not_serving_until_warm():
 def test_build_server_profiles_a_goodput_policy_once(tmp_path, monkeypatch):
     """`jaxspec serve --model tiny --tokenizer ascii --proposer ngram`: the default policy is goodput; the
     first start measures and saves the cost profile, the next one loads it."""
-    from jaxspec import profiler
-    from serving.serve_cmd import build_server
+    from jaxspec.engine import profiler
+    from jaxspec.serving.serve_cmd import build_server
 
     monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(tmp_path / "profiles"))
     menu = tmp_path / "menu.yaml"

@@ -14,11 +14,11 @@ import threading
 import grpc
 import pytest
 
-from serving import auth
-from serving.client import GenerationClient
-from serving.proto.jaxspec.v1 import generation_pb2 as pb
-from serving.serve_cmd import add_serve_arguments, serve_config_from_args
-from serving.service import SERVICE_NAME
+from jaxspec.serving import auth
+from jaxspec.serving.client import GenerationClient
+from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
+from jaxspec.serving.serve_cmd import add_serve_arguments, serve_config_from_args
+from jaxspec.serving.service import SERVICE_NAME
 from tests.fake_tokenizer import ascii_tokenizer
 from tests.serving.conftest import HOST, client_for, fake_engine, start_server, wait_until
 
@@ -226,7 +226,7 @@ def test_token_from_environment_or_file(tmp_path, monkeypatch):
 def test_client_reads_the_token_from_a_file(guarded, tmp_path, monkeypatch):
     import io
 
-    from serving import client as client_cli
+    from jaxspec.serving import client as client_cli
 
     server, _ = guarded
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from jaxspec.engine_args import TOKENIZERS, EngineArgs
-from serving.proto import generate as proto_gen
-from serving.proto.jaxspec.v1 import generation_pb2 as pb
-from serving.runtime import resolve_tokenizer
-from serving.serve_config import DEFAULT_CONFIG, ServeConfig, load_serve_config
-from serving.toy_tokenizer import TOY_TOKENIZERS, ascii_tokenizer, byte_tokenizer
-from serving.wire import RpcError, parse_generate_request
+from jaxspec.engine.args import TOKENIZERS, EngineArgs
+from jaxspec.serving.proto import generate as proto_gen
+from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
+from jaxspec.serving.runtime import resolve_tokenizer
+from jaxspec.serving.serve_config import DEFAULT_CONFIG, ServeConfig, load_serve_config
+from jaxspec.serving.toy_tokenizer import TOY_TOKENIZERS, ascii_tokenizer, byte_tokenizer
+from jaxspec.serving.wire import RpcError, parse_generate_request
 
 
 def test_generated_modules_match_the_proto(tmp_path):
@@ -21,9 +21,9 @@ def test_generated_modules_match_the_proto(tmp_path):
     for path in written:
         relative = path.relative_to(tmp_path)
         committed = proto_gen.PROTO_ROOT / relative
-        assert committed.exists(), f"{relative} is not committed: run python serving/proto/generate.py"
+        assert committed.exists(), f"{relative} is not committed: run python jaxspec/serving/proto/generate.py"
         assert committed.read_text() == path.read_text(), \
-            f"{relative} is out of date with the .proto: run python serving/proto/generate.py"
+            f"{relative} is out of date with the .proto: run python jaxspec/serving/proto/generate.py"
 
 
 def test_proto_shape():

@@ -14,9 +14,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from serving import client as client_cli
-from serving.client import GenerationClient, lists_several
-from serving.proto.jaxspec.v1 import generation_pb2 as pb
+from jaxspec.serving import client as client_cli
+from jaxspec.serving.client import GenerationClient, lists_several
+from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
 from tests.serving.conftest import HOST, wait_until
 from tests.serving.test_sigterm import start_process
 

@@ -17,13 +17,13 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from benchmarks import load_test
-from jaxspec.proposers.draft_model import DraftModelProposer
-from jaxspec.requests import Request
-from jaxspec.scheduler import Scheduler
+from jaxspec.scheduling.requests import Request
+from jaxspec.scheduling.scheduler import Scheduler
+from jaxspec.serving import client as client_cli
+from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
+from jaxspec.serving.service import SERVICE_NAME
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
 from jaxspec.types import SamplingParams
-from serving import client as client_cli
-from serving.proto.jaxspec.v1 import generation_pb2 as pb
-from serving.service import SERVICE_NAME
 from tests.fake_tokenizer import ascii_tokenizer
 from tests.serving.conftest import (
     HOST,

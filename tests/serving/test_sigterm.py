@@ -15,8 +15,8 @@ from pathlib import Path
 
 import grpc
 
-from serving.client import GenerationClient
-from serving.proto.jaxspec.v1 import generation_pb2 as pb
+from jaxspec.serving.client import GenerationClient
+from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
 from tests.serving.conftest import HOST, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +108,7 @@ def test_second_sigterm_drops_in_flight_streams_and_exits_1():
 
 
 def test_preset_without_tokenizer_is_a_clear_error(capsys):
-    from serving.serve_cmd import add_serve_arguments, run_serve
+    from jaxspec.serving.serve_cmd import add_serve_arguments, run_serve
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -8,10 +8,10 @@ import io
 import grpc
 import pytest
 
-from serving import client as client_cli
-from serving.client import GenerationClient
-from serving.serve_cmd import add_serve_arguments, run_serve, serve_config_from_args
-from serving.service import GenerationServer
+from jaxspec.serving import client as client_cli
+from jaxspec.serving.client import GenerationClient
+from jaxspec.serving.serve_cmd import add_serve_arguments, run_serve, serve_config_from_args
+from jaxspec.serving.service import GenerationServer
 from tests.fake_tokenizer import ascii_tokenizer
 from tests.serving.conftest import HOST, fake_engine, self_signed_cert, start_server
 

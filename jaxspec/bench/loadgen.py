@@ -1,0 +1,149 @@
+"""Load drivers over `jaxspec.scheduling.scheduler.Scheduler` on a wall clock: Poisson open loop, closed loop.
+
+Both drive the scheduler from the caller's thread (`step_once`), so no thread competes with the
+engine for the 2 CPU cores. Clock and sleep are injectable (tests).
+
+Open loop (`run_open_loop`): request i arrives at a_i = Σ_{j≤i} g_j, g_j ~ Exp(rate) (seeded). Between
+steps the driver submits every request whose arrival time has passed; when the scheduler is idle it
+sleeps until the next arrival. A request that arrives during a step is submitted after the step, so
+its measured times are corrected back to its scheduled arrival:
+
+    latency_s = finish − a_i            (the scheduler's total_s + (submit − a_i))
+    ttft_s    = first token − a_i       time to first token
+    tpot_s    = (finish − first token) / (tokens − 1)   time per output token after the first
+
+Closed loop (`run_closed_loop`): `concurrency` requests are in flight at all times; a finished one is
+replaced at once by the next, until all have run. latency_s = finish − submit.
+
+Summary (`summarize`): mean / p50 / p99 latency, mean / p99 ttft, mean tpot, tokens_per_s = output
+tokens / (last finish − first arrival), acceptance = accepted / proposed proposals, k_hist = how many
+(request, step) pairs ran at each k (per-row k), mean_k over those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jaxspec.scheduling.requests import FinishReason, Request
+from jaxspec.scheduling.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One finished request, times in seconds from the run's start."""
+
+    request_id: str
+    arrival_s: float
+    finish_s: float
+    latency_s: float
+    ttft_s: float | None
+    tpot_s: float | None
+    tokens: int
+    proposed: int
+    accepted: int
+    ks: tuple[int, ...]
+    error: str | None = None
+
+
+def poisson_arrivals(rate: float, n: int, seed: int = 0) -> np.ndarray:
+    """Arrival times (s) of `n` requests of a Poisson process with `rate` requests/s."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    return np.cumsum(gaps)
+
+
+def _sample(result, arrival: float, submitted: float) -> Sample:
+    t = result.timings
+    lag = submitted - arrival  # >= 0: the step that was running when the request arrived
+    error = result.error if result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED) else None
+    return Sample(request_id=result.request_id, arrival_s=arrival, finish_s=submitted + t.total_s,
+                  latency_s=t.total_s + lag, ttft_s=None if t.ttft_s is None else t.ttft_s + lag,
+                  tpot_s=t.tpot_s, tokens=len(result.token_ids), proposed=result.proposed,
+                  accepted=result.accepted, ks=tuple(s.k for s in result.steps), error=error)
+
+
+def run_open_loop(scheduler: Scheduler, requests: Sequence[Request], arrivals: Sequence[float], *,
+                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
+                  on_done: Callable[[Sample], None] | None = None) -> list[Sample]:
+    """Submit request i at arrivals[i] seconds after the start; run until all finish.
+    `scheduler` must use the same `clock`."""
+    if len(requests) != len(arrivals):
+        raise ValueError("one arrival time per request")
+    order = np.argsort(arrivals, kind="stable")
+    t0 = clock()
+    handles, samples, nxt = {}, [], 0
+    while nxt < len(order) or handles:
+        now = clock() - t0
+        while nxt < len(order) and arrivals[order[nxt]] <= now:
+            i = int(order[nxt])
+            handle = scheduler.submit(requests[i], stream=False)
+            handles[requests[i].request_id] = (handle, float(arrivals[i]), clock() - t0)
+            nxt += 1
+        if not handles:  # idle: wait for the next arrival
+            sleep(max(0.0, float(arrivals[order[nxt]]) - (clock() - t0)))
+            continue
+        scheduler.step_once()
+        for rid in [r for r, (h, _, _) in handles.items() if h.done()]:
+            handle, arrival, submitted = handles.pop(rid)
+            samples.append(_sample(handle.result(), arrival, submitted))
+            if on_done:
+                on_done(samples[-1])
+    return samples
+
+
+def run_closed_loop(scheduler: Scheduler, requests: Sequence[Request], concurrency: int, *,
+                    clock: Callable[[], float] = time.perf_counter,
+                    on_done: Callable[[Sample], None] | None = None) -> list[Sample]:
+    """Keep `concurrency` requests in flight until every request has run."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    t0 = clock()
+    pending = list(requests)[::-1]
+    handles, samples = {}, []
+    while pending or handles:
+        while pending and len(handles) < concurrency:
+            r = pending.pop()
+            now = clock() - t0
+            handles[r.request_id] = (scheduler.submit(r, stream=False), now)
+        if not scheduler.step_once() and not any(h.done() for h, _ in handles.values()):
+            raise RuntimeError(f"scheduler made no progress with {len(handles)} live requests")
+        for rid in [r for r, (h, _) in handles.items() if h.done()]:
+            handle, submitted = handles.pop(rid)
+            samples.append(_sample(handle.result(), submitted, submitted))
+            if on_done:
+                on_done(samples[-1])
+    return samples
+
+
+def summarize(samples: Sequence[Sample]) -> dict:
+    """The metrics of the module doc over the requests that finished without error."""
+    ok = [s for s in samples if s.error is None]
+    if not ok:
+        return {"requests": len(samples), "errors": len(samples)}
+    lat = np.array([s.latency_s for s in ok])
+    ttft = np.array([s.ttft_s for s in ok if s.ttft_s is not None])
+    tpot = np.array([s.tpot_s for s in ok if s.tpot_s is not None])
+    tokens = sum(s.tokens for s in ok)
+    span = max(s.finish_s for s in ok) - min(s.arrival_s for s in ok)
+    proposed, accepted = sum(s.proposed for s in ok), sum(s.accepted for s in ok)
+    ks = [k for s in ok for k in s.ks]
+    hist = {str(k): int(c) for k, c in zip(*np.unique(ks, return_counts=True))} if ks else {}
+    return {
+        "requests": len(samples), "errors": len(samples) - len(ok), "output_tokens": tokens,
+        "mean_latency_s": float(lat.mean()), "p50_latency_s": float(np.percentile(lat, 50)),
+        "p99_latency_s": float(np.percentile(lat, 99)),
+        "mean_ttft_s": float(ttft.mean()) if ttft.size else None,
+        "p99_ttft_s": float(np.percentile(ttft, 99)) if ttft.size else None,
+        "mean_tpot_s": float(tpot.mean()) if tpot.size else None,
+        "tokens_per_s": tokens / span if span > 0 else None,
+        "acceptance": accepted / proposed if proposed else None,
+        "proposed": proposed, "accepted": accepted,
+        "k_hist": hist, "mean_k": float(np.mean(ks)) if ks else 0.0, "span_s": span,
+        # each decode step emits its accepted proposals plus one token
+        "steps": len(ks), "tokens_per_step": (accepted + len(ks)) / len(ks) if ks else None,
+    }

@@ -1,0 +1,166 @@
+"""A fake engine with hand-checkable arithmetic: the engine contract (`jaxspec.engine.api`) without XLA.
+
+The "model" continues every sequence by counting: the token after t is (t + 1) mod V, so the
+first generated token is the prompt's last token + 1 and a request's output is fully predictable.
+The "proposer" is right about the first `accept` proposals of every row and wrong after them, so
+a row verifying c proposals commits min(accept, c) + 1 tokens: the output is the same for every k
+(the lossless property, by construction) while the acceptance is whatever a test asks for.
+
+Everything else is the real engine's contract: the same menu arithmetic (`jaxspec.menu.Menu`),
+MenuMissError for a shape that was not warmed up, CapacityError past max_len, lazy draft catch-up
+plans when `tracks_context`, free/reset. `calls` records every call for assertions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jaxspec.menu import CapacityError, CatchUpCall, Menu, MenuMissError, ShapeKey, StepKey
+from jaxspec.mesh import MeshSpec
+from jaxspec.types import SamplingParams, StepResult
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeCall:
+    """One call the fake engine served: kind ('prefill' | 'step' | 'catch_up'), its shape key, slots."""
+
+    kind: str
+    key: ShapeKey
+    slots: tuple[int, ...]
+
+
+class FakeEngine:
+    """The engine contract over counting arithmetic (see the module doc).
+
+    accept:           proposals each row gets right (an int, or f(slot) -> int).
+    tracks_context:   the proposer keeps per-slot context (a draft model): plans lazy catch-up.
+    in_step_catch_up: tokens a speculating step feeds the proposer itself (as a draft's propose).
+    """
+
+    def __init__(self, menu: Menu, *, vocab_size: int = 64, eos_token_ids: Sequence[int] = (),
+                 accept: int | Callable[[int], int] = 0, model_name: str = "fake", proposer_name: str = "fake",
+                 dtype: str = "float32", tracks_context: bool = False, in_step_catch_up: int = 2):
+        self.menu = menu
+        self.model_name = model_name
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.proposer_name = proposer_name
+        self.dtype = dtype
+        self.mesh_spec = MeshSpec()  # counts on the host: no devices
+        self.attention = "xla"  # no attention at all; the profile key's default
+        self.accept = accept
+        self.tracks_context = tracks_context
+        self.in_step_catch_up = in_step_catch_up
+        self.compiled: set[ShapeKey] = set()
+        self.calls: list[FakeCall] = []
+        self.lost = False  # a test sets it to simulate a failed call that consumed the device state
+        self.reset()
+
+    # --- the contract -------------------------------------------------------------------
+
+    def shape_keys(self) -> list[ShapeKey]:
+        m = self.menu
+        keys: list[ShapeKey] = [*m.step_keys(), *m.prefill_keys()]
+        if self.tracks_context and m.max_k > 0:
+            keys += m.catch_up_keys()
+        return keys
+
+    def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True) -> int:
+        new = [k for k in (keys or self.shape_keys()) if k not in self.compiled]
+        self.compiled.update(new)
+        return len(new)
+
+    def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, is_last: bool,
+                      params: SamplingParams, seed: int) -> int | None:
+        n = len(tokens)
+        if start + n > self.menu.max_len:
+            raise CapacityError(f"prompt of {start + n} tokens exceeds max_len {self.menu.max_len}")
+        key = self._ready(self.menu.prefill_key(start, n))
+        self.calls.append(FakeCall("prefill", key, (slot,)))
+        self._history[slot][start:] = [int(t) for t in tokens]
+        self._lengths[slot] = start + n
+        if start == 0:  # the draft sees the prompt lazily, in the first speculating step's catch-up
+            self._seen[slot] = 0
+        if not is_last:
+            return None
+        self._pending[slot] = self._next(self._history[slot][-1])
+        return self._pending[slot]
+
+    def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> StepResult:
+        slots = [int(s) for s in slot_ids]
+        shape = self.menu.step_shape([self._lengths[s] for s in slots], row_k, k)
+        key = self._ready(StepKey(self.menu.batch_bucket(len(slots)), shape.k, shape.window))
+        catch_up = 0
+        if key.k > 0 and self.tracks_context:
+            for slot in slots:
+                for call in self.catch_up_plan(slot):
+                    self.calls.append(FakeCall("catch_up", self._ready(call.key), (slot,)))
+                    self._seen[slot] = call.start + call.n
+                    catch_up += 1
+        self.calls.append(FakeCall("step", key, tuple(slots)))
+        tokens = np.zeros((len(slots), key.k + 1), np.int64)  # [B, k+1]
+        counts = np.zeros(len(slots), np.int64)  # [B]
+        for row, (slot, cap) in enumerate(zip(slots, shape.caps, strict=True)):
+            accepted = min(self._accepted(slot), cap)
+            out = []
+            for _ in range(accepted + 1):
+                self._history[slot].append(self._pending[slot])
+                self._pending[slot] = self._next(self._pending[slot])
+                out.append(self._pending[slot])
+            tokens[row, : accepted + 1] = out
+            counts[row] = accepted + 1
+            if key.k > 0 and self.tracks_context:  # the draft saw pending and the accepted proposals
+                self._seen[slot] = self._lengths[slot] + 1 + min(accepted, key.k - 1)
+            self._lengths[slot] += accepted + 1
+        return StepResult(tokens=tokens, counts=counts, proposed=np.asarray(shape.caps, np.int64),
+                          catch_up_calls=catch_up)
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def room(self, slot: int) -> int:
+        return self.menu.room(self._lengths[slot])
+
+    def catch_up_plan(self, slot: int) -> list[CatchUpCall]:
+        if not self.tracks_context:
+            return []
+        return self.menu.catch_up_plan(self._seen[slot], self._lengths[slot], self.in_step_catch_up)
+
+    def state_lost(self) -> bool:
+        return self.lost
+
+    def free(self, slot: int) -> None:
+        self._lengths[slot] = self._seen[slot] = 0
+        self._history[slot] = []
+
+    def reset(self) -> None:
+        slots = self.menu.num_slots
+        self._lengths = [0] * slots
+        self._seen = [0] * slots  # tokens the proposer has seen (catch-up)
+        self._pending = [0] * slots
+        self._history: list[list[int]] = [[] for _ in range(slots)]
+        self.lost = False
+
+    # --- for tests ------------------------------------------------------------------------
+
+    def expected_output(self, prompt: Sequence[int], n: int) -> list[int]:
+        """The first n generated tokens for `prompt`: last + 1, last + 2, ... (mod V)."""
+        return [(int(prompt[-1]) + 1 + i) % self.vocab_size for i in range(n)]
+
+    def history(self, slot: int) -> list[int]:
+        """Committed tokens of `slot` (prompt, then generated tokens already in the 'cache')."""
+        return list(self._history[slot])
+
+    def _next(self, token: int) -> int:
+        return (int(token) + 1) % self.vocab_size
+
+    def _accepted(self, slot: int) -> int:
+        return int(self.accept(slot) if callable(self.accept) else self.accept)
+
+    def _ready(self, key: ShapeKey) -> ShapeKey:
+        if key not in self.compiled:
+            raise MenuMissError(f"shape {key} was not compiled in warm-up")
+        return key

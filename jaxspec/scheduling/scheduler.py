@@ -1,0 +1,525 @@
+"""The continuous-batching loop: admission, prefill, decode steps, retiring (docs/design.md, "The scheduler").
+
+One engine thread runs the loop (`run_forever()`, or `generate_all` / `iter_completed` in the
+caller's thread); any thread may `submit`, `cancel` and read a request's events. Every loop iteration:
+
+    cancellations  ->  admission: waiting requests take free slots (FIFO)
+                   ->  prefill: at most `prefill_token_budget` prompt tokens (≥ one chunk), so a long
+                       prompt never stalls running requests for its whole prefill
+                   ->  decode: BatchView -> policy.choose -> engine.step -> policy.observe, step listeners
+                   ->  per request: output processing (jaxspec.scheduling.output) streams the new tokens and text;
+                       finished requests retire and free their slots
+
+The loop talks to the engine only through the engine contract (`jaxspec.engine.api.EngineAPI`).
+Request values, the handle and the validator are in `jaxspec.scheduling.requests`.
+
+Failure isolation: a bad request is rejected alone (`InvalidRequestError`); a failure in one
+request's prefill or post-processing fails that request; a failure in a step fails the step's
+requests, and if the engine's device state was lost the engine is reset (requests still
+prefilling restart from scratch). The loop itself goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+
+from jaxspec.engine.api import EngineAPI
+from jaxspec.policy.base import BatchView, Decision, Policy
+from jaxspec.policy.fixed import NoSpeculation
+from jaxspec.scheduling.detokenizer import ByteTokenizer
+from jaxspec.scheduling.output import OutputProcessor
+from jaxspec.scheduling.requests import (
+    FinishReason,
+    InvalidRequestError,
+    PolicyDecisionError,
+    QueueFullError,
+    Request,
+    RequestHandle,
+    RequestLimits,
+    RequestOutput,
+    RequestResult,
+    RequestTimings,
+    SchedulerClosedError,
+    StepRecord,
+    validate_request,
+)
+from jaxspec.types import StepResult
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """max_queue:            waiting (not yet admitted) requests beyond which `submit` raises QueueFullError.
+    prefill_token_budget: prompt tokens prefilled per loop iteration between decode steps (at least
+                          one chunk always runs); None = the engine's largest prefill bucket.
+    max_running:          requests admitted at once; None = the engine's largest batch bucket.
+    """
+
+    max_queue: int = 1024
+    prefill_token_budget: int | None = None
+    max_running: int | None = None
+
+    def __post_init__(self):
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
+            raise ValueError(f"prefill_token_budget must be >= 1, got {self.prefill_token_budget}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """One decode step as the scheduler saw it (what step listeners receive).
+
+    view:      what the policy saw.   decision: what it chose.   result: what the engine returned.
+    elapsed_s: wall seconds of `engine.step` on the scheduler's clock, lazy draft catch-up included
+               (`result.catch_up_s` of them).
+    """
+
+    view: BatchView
+    decision: Decision
+    result: StepResult
+    elapsed_s: float
+
+    @property
+    def executable_s(self) -> float:
+        """The step executable's seconds (catch-up excluded): what the policy observes."""
+        return max(0.0, self.elapsed_s - self.result.catch_up_s)
+
+
+StepListener = Callable[[StepStats], None]
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """Mutable bookkeeping of one admitted-or-waiting request (engine thread only, after submit)."""
+
+    request: Request
+    handle: RequestHandle
+    stream: bool
+    seed: int
+    arrival: float
+    output: OutputProcessor
+    admitted: float | None = None
+    first_token_at: float | None = None
+    slot: int | None = None
+    prefilled: int = 0  # prompt tokens in the cache
+    running: bool = False  # prefill done, decoding
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+# --- the scheduler -----------------------------------------------------------------------
+
+
+class Scheduler:
+    """Continuous batching over one engine (anything satisfying `EngineAPI`).
+
+    tokenizer:       gives text and stop strings (needs `token_bytes`, see jaxspec.scheduling.detokenizer);
+                     None = token ids only (stop strings are then rejected).
+    eos_token_ids:   None = the engine's and the tokenizer's together.
+    clock:           injectable, for timings and the step time the policy observes.
+    seed_source:     draws the seed of unseeded sampled requests (default: the OS's randomness).
+    step_listeners:  called with a `StepStats` after every decode step (e.g. metrics); one that
+                     raises is logged and fails nothing.
+    """
+
+    def __init__(self, engine: EngineAPI, policy: Policy | None = None, tokenizer: ByteTokenizer | None = None,
+                 config: SchedulerConfig = SchedulerConfig(), *, eos_token_ids: Iterable[int] | None = None,
+                 clock: Clock = time.monotonic, seed_source: Callable[[], int] | None = None,
+                 step_listeners: Iterable[StepListener] = ()):
+        self.engine = engine
+        self.policy = policy or NoSpeculation()
+        self.tokenizer = tokenizer
+        self.config = config
+        if eos_token_ids is None:
+            eos_token_ids = {*engine.eos_token_ids, *(tokenizer.eos_token_ids if tokenizer else ())}
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.limits = RequestLimits.for_engine(engine, tokenizer)
+        self.clock = clock
+        self._seed_source = seed_source or (lambda: secrets.randbelow(2**31))
+        menu = engine.menu
+        # slots used: every running request fits one step
+        self.capacity = menu.largest_batch
+        if config.max_running is not None:
+            if config.max_running > self.capacity:
+                raise ValueError(f"max_running={config.max_running} exceeds the largest batch bucket {self.capacity}")
+            self.capacity = config.max_running
+        self._prefill_budget = config.prefill_token_budget or menu.largest_chunk
+
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        # shared with submitting threads (under _lock)
+        self._waiting: collections.deque[_Live] = collections.deque()
+        self._live: dict[str, _Live] = {}
+        self._cancel_ids: set[str] = set()
+        self._closed = False
+        self._stop_now = False
+        self._loop_active = False
+        self._thread: threading.Thread | None = None
+        self._step_listeners: tuple[StepListener, ...] = tuple(step_listeners)
+        # engine thread only
+        self._slots: dict[int, _Live] = {}  # slot -> request being prefilled or decoded
+        self.iterations = 0  # loop iterations (idle waits excluded)
+        self.steps_run = 0  # decode steps
+        self.engine_resets = 0
+
+    # --- the public contract (any thread) ----------------------------------------------
+
+    def submit(self, request: Request, stream: bool = True) -> RequestHandle:
+        """Queue a request. Raises InvalidRequestError (with the reason), QueueFullError or
+        SchedulerClosedError. With stream=False only the final event is queued on the handle."""
+        max_new = validate_request(request, self.limits)
+        p = request.params
+        output = OutputProcessor(p, self.eos_token_ids, max_new, self.tokenizer)
+        seed = p.seed if p.seed is not None else (self._seed_source() if p.temperature > 0 else 0)
+        with self._lock:
+            if self._closed:
+                raise SchedulerClosedError("the scheduler is stopped")
+            if request.request_id in self._live:
+                raise InvalidRequestError("a request with this id is already running", request.request_id)
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFullError(f"the waiting queue is full ({self.config.max_queue} requests)")
+            live = _Live(request=request, handle=RequestHandle(request.request_id, self.cancel), stream=stream,
+                         seed=seed, arrival=self.clock(), output=output)
+            self._waiting.append(live)
+            self._live[request.request_id] = live
+            self._wakeup.notify_all()
+        return live.handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask for a request to finish with 'cancelled'. False if it is not live."""
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._cancel_ids.add(request_id)
+            self._wakeup.notify_all()
+            return True
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Call `listener(StepStats)` after every decode step from now on."""
+        with self._lock:
+            self._step_listeners = (*self._step_listeners, listener)
+
+    def run_forever(self) -> None:
+        """Run the loop in this thread until `stop()`; blocks (no spinning) while idle."""
+        self._claim_loop()
+        try:
+            while True:
+                with self._wakeup:
+                    while not self._stop_now and not self._has_work_locked() and not self._closed:
+                        self._wakeup.wait()
+                    if self._stop_now or (self._closed and not self._has_work_locked()):
+                        break
+                self.step_once()
+        finally:
+            self._abort_all(FinishReason.CANCELLED, "the scheduler stopped")
+            with self._lock:
+                self._loop_active = False
+
+    def start(self) -> threading.Thread:
+        """Run `run_forever` in a new daemon thread."""
+        thread = threading.Thread(target=self.run_forever, name="jaxspec-scheduler", daemon=True)
+        self._thread = thread
+        thread.start()
+        return thread
+
+    def stop(self, drain: bool = False, timeout: float | None = None) -> None:
+        """Refuse new requests and end the loop: at once (live requests finish 'cancelled') or,
+        with drain=True, once every live request has finished. Joins the thread of `start()`."""
+        with self._wakeup:
+            self._closed = True
+            self._stop_now = self._stop_now or not drain
+            self._wakeup.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def iter_completed(self, requests: Iterable[Request]) -> Iterator[RequestResult]:
+        """Run `requests` to completion in this thread (it is the loop thread meanwhile), yielding
+        results as they finish. Requests are submitted as queue room allows; a rejected one yields
+        an 'error' result. Closing the iterator early cancels whatever is still live."""
+        self._claim_loop()
+        handles: dict[str, RequestHandle] = {}
+        pending = iter(requests)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and self.num_waiting < self.config.max_queue:
+                    request = next(pending, None)
+                    if request is None:
+                        exhausted = True
+                        break
+                    try:
+                        handles[request.request_id] = self.submit(request, stream=False)
+                    except InvalidRequestError as exc:
+                        yield RequestResult.rejected(request, str(exc))
+                if exhausted and not handles:
+                    return
+                if not self.step_once() and not any(h.done() for h in handles.values()):
+                    raise RuntimeError(f"scheduler made no progress with {len(handles)} live requests")
+                for request_id in [r for r, h in handles.items() if h.done()]:
+                    yield handles.pop(request_id).result()
+        finally:  # abandoned (or failed): nothing may stay in a slot
+            self._abort_all(FinishReason.CANCELLED, "generation was abandoned")
+            with self._lock:
+                self._loop_active = False
+
+    def generate_all(self, requests: Iterable[Request]) -> list[RequestResult]:
+        """Run every request to completion; results in input order."""
+        requests = list(requests)
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
+        done = {r.request_id: r for r in self.iter_completed(requests)}
+        return [done[i] for i in ids]
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    @property
+    def num_live(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    @property
+    def num_running(self) -> int:
+        """Slots holding a request (prefilling or decoding); a snapshot, safe from any thread."""
+        return len(self._slots)
+
+    # --- the loop (engine thread) --------------------------------------------------------
+
+    def _claim_loop(self) -> None:
+        with self._lock:
+            if self._loop_active:
+                raise RuntimeError("the scheduler loop is already running in another thread")
+            self._loop_active = True
+
+    def _has_work_locked(self) -> bool:
+        return bool(self._waiting or self._cancel_ids or self._slots)
+
+    def step_once(self) -> bool:
+        """One loop iteration. Returns whether anything happened."""
+        self.iterations += 1
+        did = self._process_cancellations()
+        self._admit()
+        did |= self._prefill()
+        did |= self._decode()
+        return did
+
+    def _process_cancellations(self) -> bool:
+        with self._lock:
+            ids, self._cancel_ids = self._cancel_ids, set()
+            waiting = [w for w in self._waiting if w.request_id in ids]
+            for live in waiting:
+                self._waiting.remove(live)
+        for live in waiting:
+            self._finish(live, FinishReason.CANCELLED)
+        for live in [s for s in self._slots.values() if s.request_id in ids]:
+            self._finish(live, FinishReason.CANCELLED)
+        return bool(ids)
+
+    def _admit(self) -> None:
+        free = [s for s in range(self.capacity) if s not in self._slots]
+        with self._lock:
+            admitted = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        now = self.clock()
+        for slot, live in zip(free, admitted):
+            live.slot, live.admitted = slot, now
+            self._slots[slot] = live
+
+    def _prefill(self) -> bool:
+        """Prefill prompt chunks of admitted requests (oldest first) within the token budget."""
+        budget, did = self._prefill_budget, False
+        largest = self.engine.menu.largest_chunk
+        for live in [s for s in self._slots.values() if not s.running]:  # admission order
+            while not live.running:
+                prompt = live.request.prompt_token_ids
+                n = min(len(prompt) - live.prefilled, largest)
+                if did and n > budget:
+                    return did
+                self._prefill_chunk(live, n)
+                budget -= n
+                did = True
+                if live.slot is None:  # failed
+                    break
+        return did
+
+    def _prefill_chunk(self, live: _Live, n: int) -> None:
+        prompt, p = live.request.prompt_token_ids, live.request.params
+        start = live.prefilled
+        is_last = start + n == len(prompt)
+        try:
+            first = self.engine.prefill_chunk(live.slot, np.asarray(prompt[start:start + n], np.int32), start,
+                                              is_last, p, live.seed)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the loop goes on
+            log.exception("prefill of request %r failed", live.request_id)
+            if self.engine.state_lost():
+                self._recover_engine(f"engine state lost in a failed prefill: {exc!r}", spare=live)
+            self._finish(live, FinishReason.ERROR, f"prefill failed: {exc!r}")
+            return
+        live.prefilled = start + n
+        if is_last:
+            live.running = True
+            live.first_token_at = self.clock()
+            self._deliver(live, [first])
+
+    def _view(self, rows: list[_Live]) -> tuple[BatchView, list[int]]:
+        """What the policy sees of `rows`, and each row's cache room (the largest k it can verify)."""
+        engine = self.engine
+        slots = [r.slot for r in rows]
+        room = [engine.room(s) for s in slots]
+        view = BatchView(
+            request_ids=tuple(r.request_id for r in rows),
+            context_lens=tuple(engine.length(s) for s in slots),
+            # no more proposals than the cache holds, nor than tokens still wanted after the bonus one
+            row_max_k=tuple(max(0, min(c, r.output.remaining - 1)) for r, c in zip(rows, room)),
+            k_menu=engine.menu.k_menu,
+            batch_bucket=engine.menu.batch_bucket(len(rows)),
+            catch_up_calls=tuple(len(engine.catch_up_plan(s)) for s in slots),
+            trees=engine.menu.tree_envelopes,
+        )
+        return view, room
+
+    def _decode(self) -> bool:
+        rows = sorted((r for r in self._slots.values() if r.running), key=lambda r: r.slot)
+        if not rows:
+            return False
+        view, room = self._view(rows)
+        try:
+            decision = self.policy.choose(view)
+            self._check_decision(decision, view, room)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("policy.choose failed")
+            self._fail_all(rows, f"policy {self.policy.name!r} failed: {exc!r}")
+            return True
+        t0 = self.clock()
+        try:
+            result = self.engine.step([r.slot for r in rows], decision.k,
+                                      list(decision.row_k) if decision.row_k is not None else None)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("engine step failed")
+            self._recover_engine(f"engine step failed: {exc!r}")
+            return True
+        stats = StepStats(view, decision, result, self.clock() - t0)
+        self.steps_run += 1
+        self._publish(stats)
+        try:  # the policy's cost model times the step executable: lazy catch-up is not part of it
+            self.policy.observe(view, decision, result, stats.executable_s)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("policy.observe failed")
+            self._fail_all(rows, f"policy {self.policy.name!r} failed to observe a step: {exc!r}")
+            return True
+        self._deliver_step(rows, decision, result)
+        return True
+
+    def _publish(self, stats: StepStats) -> None:
+        for listener in self._step_listeners:
+            try:
+                listener(stats)
+            except Exception:  # noqa: BLE001 - an observer must not fail requests
+                log.exception("step listener %r failed", listener)
+
+    @staticmethod
+    def _check_decision(decision: Decision, view: BatchView, cache_room: list[int]) -> None:
+        """The decision must be in the menu and each row's effective k must fit its cache room."""
+        k = decision.k
+        if k not in view.k_menu:
+            raise PolicyDecisionError(f"k={k} is not in the compiled menu {view.k_menu}")
+        if decision.row_k is not None:
+            if len(decision.row_k) != view.batch_size or any(not 0 <= r <= k for r in decision.row_k):
+                raise PolicyDecisionError(f"row_k={decision.row_k} must give each of {view.batch_size} rows 0..{k}")
+        effective = decision.row_k if decision.row_k is not None else (k,) * view.batch_size
+        for row_k, room in zip(effective, cache_room):
+            if row_k > room:
+                raise PolicyDecisionError(f"k={row_k} does not fit the cache (room for k <= {room})")
+
+    def _deliver_step(self, rows: list[_Live], decision: Decision, result: StepResult) -> None:
+        for i, live in enumerate(rows):
+            row_k = decision.k if decision.row_k is None else decision.row_k[i]
+            live.steps.append(StepRecord(k=row_k, proposed=int(result.proposed[i]), accepted=int(result.accepted[i])))
+            self._deliver(live, result.row_tokens(i))
+
+    def _deliver(self, live: _Live, tokens: list[int]) -> None:
+        """Pass a row's new tokens through its output processor, stream them, retire it if finished."""
+        try:
+            delta = live.output.push(tokens)
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error: only this request fails
+            log.exception("post-processing request %r failed", live.request_id)
+            self._finish(live, FinishReason.ERROR, f"post-processing failed: {exc!r}")
+            return
+        if delta.finish_reason is None:
+            live.handle.publish(RequestOutput(live.request_id, delta.token_ids, delta.text), live.stream)
+        else:
+            self._finish(live, delta.finish_reason, new_tokens=delta.token_ids, new_text=delta.text)
+
+    # --- retiring and failures -------------------------------------------------------------
+
+    def _finish(self, live: _Live, reason: FinishReason, error: str | None = None,
+                new_tokens: tuple[int, ...] = (), new_text: str = "") -> None:
+        now = self.clock()
+        try:
+            new_text += live.output.finish()
+        except Exception as exc:  # noqa: BLE001
+            reason, error = FinishReason.ERROR, error or f"detokenisation failed: {exc!r}"
+        if live.slot is not None:
+            del self._slots[live.slot]
+            self.engine.free(live.slot)
+            live.slot = None
+            try:
+                self.policy.forget(live.request_id)
+            except Exception:  # noqa: BLE001 - a policy bug must not leak the request
+                log.exception("policy.forget(%r) failed", live.request_id)
+        tokens, first = live.output.token_ids, live.first_token_at
+        n = len(tokens)
+        timings = RequestTimings(
+            queued_s=None if live.admitted is None else live.admitted - live.arrival,
+            ttft_s=None if first is None else first - live.arrival,
+            tpot_s=(now - first) / (n - 1) if first is not None and n > 1 else None,
+            total_s=now - live.arrival,
+        )
+        result = RequestResult(
+            request_id=live.request_id, token_ids=tokens, text=live.output.text, finish_reason=reason, error=error,
+            prompt_len=len(live.request.prompt_token_ids), seed=live.seed, steps=tuple(live.steps), timings=timings)
+        with self._lock:
+            self._live.pop(live.request_id, None)
+            self._cancel_ids.discard(live.request_id)
+        live.handle.publish(RequestOutput(live.request_id, tuple(new_tokens), new_text, True, result), live.stream)
+
+    def _fail_all(self, lives: Iterable[_Live], error: str) -> None:
+        for live in list(lives):
+            self._finish(live, FinishReason.ERROR, error)
+
+    def _recover_engine(self, error: str, spare: _Live | None = None) -> None:
+        """Reset the engine: running requests fail; requests still prefilling start over."""
+        self.engine.reset()
+        self.engine_resets += 1
+        for live in list(self._slots.values()):
+            if live is spare:
+                continue
+            if live.running:
+                self._finish(live, FinishReason.ERROR, error)
+            else:
+                live.prefilled = 0
+
+    def _abort_all(self, reason: FinishReason, error: str) -> None:
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for live in [*waiting, *self._slots.values()]:
+            self._finish(live, reason, error)

@@ -1,0 +1,198 @@
+"""Call admission for the gRPC server: no client can hold a worker thread or starve health.
+
+`CallGuard` (a server interceptor) makes every handler request-streaming so it starts before the
+request message arrives, awaits that message for at most `request_timeout_s` (`Alarms` cancels
+late ones), caps the calls waiting for theirs, and checks the message's size and that it
+deserialises. Health calls run on their own thread pool, outside every limit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from jaxspec.serving.auth import HEALTH_PREFIX
+from jaxspec.serving.metrics import ServingMetrics
+from jaxspec.serving.wire import abort, clip
+
+log = logging.getLogger(__name__)
+
+
+class Alarms:
+    """One thread that runs each armed callback at its deadline, unless it was disarmed first."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, list]] = []  # (deadline, tie-break, [callback or None])
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="jaxspec-alarms", daemon=True)
+        self._thread.start()
+
+    def arm(self, delay_s: float, callback: Callable[[], None]) -> list:
+        entry = [callback]
+        with self._cond:
+            heapq.heappush(self._heap, (time.monotonic() + delay_s, next(self._ids), entry))
+            self._cond.notify()
+        return entry
+
+    def disarm(self, entry: list) -> None:
+        with self._cond:
+            entry[0] = None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    while self._heap and self._heap[0][2][0] is None:  # disarmed
+                        heapq.heappop(self._heap)
+                    if self._closed:
+                        return
+                    if not self._heap:
+                        self._cond.wait()
+                        continue
+                    wait = self._heap[0][0] - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cond.wait(wait)
+                entry = heapq.heappop(self._heap)[2]
+                callback, entry[0] = entry[0], None
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one failed callback must not stop the others
+                log.exception("an alarm callback failed")
+
+
+class CallGuard(grpc.ServerInterceptor):
+    """Rewrites every method's handler so that no client can hold a thread or starve health.
+
+    The rewritten handler is request-streaming (the wire format of a unary request is the same), so
+    gRPC starts it before the request message and does not deserialise it. The handler then awaits
+    each request message for at most `timeout_s` (else it cancels the call: the client sees
+    CANCELLED), refuses a message over `max_bytes` or one that does not deserialise
+    (INVALID_ARGUMENT), and only then calls the method's own behaviour. At most `max_pending` calls
+    other than health wait for a message at once (more: RESOURCE_EXHAUSTED at once). Health calls
+    run on `health_pool`, outside that limit. Runs after the auth interceptor, which refuses calls
+    without the token before any of this.
+    """
+
+    def __init__(self, *, timeout_s: float, max_pending: int, max_bytes: int,
+                 health_pool: futures.ThreadPoolExecutor, metrics: ServingMetrics):
+        self._timeout_s = timeout_s
+        self._max_pending = max_pending
+        self._max_bytes = max_bytes
+        self._health_pool = health_pool
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._alarms = Alarms()
+
+    @property
+    def pending(self) -> int:
+        """Calls (health excluded) now waiting for a request message."""
+        with self._lock:
+            return self._pending
+
+    def close(self) -> None:
+        self._alarms.close()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None  # gRPC answers UNIMPLEMENTED itself, without a worker thread
+        method = handler_call_details.method
+        health = method.startswith(HEALTH_PREFIX)
+        return self._rewrite(handler, method, self._health_pool if health else None, counted=not health)
+
+    def _rewrite(self, handler: grpc.RpcMethodHandler, method: str, pool: futures.ThreadPoolExecutor | None,
+                 counted: bool) -> grpc.RpcMethodHandler:
+        decode = handler.request_deserializer
+        if handler.request_streaming:
+            inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
+
+            def behaviour(requests, context, *callback):
+                return inner(self._messages(requests, context, method, decode, counted), context, *callback)
+        else:
+            inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+            def behaviour(requests, context, *callback):
+                data = self._receive(requests, context, method, counted)
+                if data is None:
+                    self._refuse(context, method, counted, grpc.StatusCode.INVALID_ARGUMENT,
+                                 "the call ended without a request message")
+                return inner(self._decode(data, context, method, decode, counted), context, *callback)
+
+        for name in ("experimental_non_blocking", "experimental_thread_pool"):  # health's Watch sets these
+            if hasattr(inner, name):
+                setattr(behaviour, name, getattr(inner, name))
+        if pool is not None:
+            behaviour.experimental_thread_pool = pool
+        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else \
+            grpc.stream_unary_rpc_method_handler
+        return make(behaviour, request_deserializer=None, response_serializer=handler.response_serializer)
+
+    def _messages(self, requests, context, method, decode, counted) -> Iterator[Any]:
+        while (data := self._receive(requests, context, method, counted)) is not None:
+            yield self._decode(data, context, method, decode, counted)
+
+    def _receive(self, requests, context: grpc.ServicerContext, method: str, counted: bool) -> bytes | None:
+        """The next request message (None: the client sent no more), awaited for at most timeout_s."""
+        if counted:
+            with self._lock:
+                full = self._pending >= self._max_pending
+                self._pending += not full
+            if full:
+                self._refuse(context, method, counted, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{self._max_pending} calls are already waiting for their request message "
+                             f"(max_pending_calls); retry later")
+        alarm = self._alarms.arm(self._timeout_s, lambda: self._expire(context, method, counted))
+        try:
+            return next(requests, None)  # raises grpc.RpcError once the call is cancelled
+        finally:
+            self._alarms.disarm(alarm)
+            if counted:
+                with self._lock:
+                    self._pending -= 1
+
+    def _expire(self, context: grpc.ServicerContext, method: str, counted: bool) -> None:
+        if context.is_active():
+            log.debug("%s: no request message within %.1f s: cancelled", clip(method), self._timeout_s)
+            self._metrics.record_request_timeout()
+            if counted:
+                self._metrics.record_rpc(method, grpc.StatusCode.CANCELLED.name)
+            context.cancel()
+
+    def _decode(self, data: bytes, context, method: str, decode, counted: bool) -> Any:
+        if len(data) > self._max_bytes:
+            self._refuse(context, method, counted, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"the request is {len(data)} bytes; at most {self._max_bytes} bytes are accepted "
+                         f"(max_message_bytes)")
+        if decode is None:
+            return data
+        try:
+            return decode(data)
+        except Exception as exc:  # noqa: BLE001 - any deserialiser failure is the client's bad bytes
+            self._refuse(context, method, counted, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"malformed request message: {clip(str(exc))}")
+
+    def _refuse(self, context, method: str, counted: bool, code: grpc.StatusCode, message: str):
+        if counted:
+            self._metrics.record_rpc(method, code.name)
+        abort(context, code, message)
+
+
+__all__ = ["Alarms", "CallGuard"]

@@ -1,0 +1,138 @@
+"""`jaxspec serve`'s settings: `ServeConfig` (jaxspec/configs/serving.yaml and `--config` files use
+its keys), how they load, and the check of a configured TLS key pair."""
+
+from __future__ import annotations
+
+import dataclasses
+import ssl
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxspec.config_file import check_fields
+from jaxspec.engine.args import EngineArgs
+from jaxspec.resources import config_file
+
+DEFAULT_CONFIG = config_file("serving.yaml")
+TRANSPORT_LIMIT_FACTOR = 2  # gRPC's message limit is this × max_message_bytes: the guard answers in between
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """Everything `jaxspec serve` takes; jaxspec/configs/serving.yaml and `--config` files use these keys.
+
+    model / proposer / draft / policy / menu / tokenizer / dtype / mesh:  as for every engine command
+        (jaxspec.engine.args.EngineArgs, which `engine_args()` returns); policy None = goodput with a
+        proposer, else none; menu: a jaxspec/configs/engine.yaml name or a YAML path; tokenizer: 'model' (the
+        model's own), or a toy one for random-weight presets: 'ascii', 'bytes'; dtype: 'auto' (float32 on
+        CPU, bfloat16 on GPU/TPU), 'float32', 'bfloat16'; mesh: 'data=D,model=M' (None: the menu's, else 1,1);
+        tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only)
+    metrics_port:       None = no metrics endpoint; 0 = an ephemeral port
+    max_tokens_limit:   the largest max_tokens a request may ask for; default_max_tokens when it asks none
+    max_queue:          requests waiting for a slot before calls get RESOURCE_EXHAUSTED
+    max_running:        requests in slots at once (None: the largest batch bucket)
+    max_stop_strings / max_stop_chars / max_message_bytes:  request size limits (a request message
+        over max_message_bytes gets INVALID_ARGUMENT; gRPC itself refuses one over twice that)
+    request_timeout_s:  a call's request message must arrive within this many seconds, else the
+        call is cancelled (half-open calls must not hold threads)
+    max_pending_calls:  calls (health checks excluded) waiting for their request message at once;
+        more get RESOURCE_EXHAUSTED at once
+    drain_timeout_s:    how long SIGTERM waits for in-flight requests
+    tls_cert, tls_key:  PEM files (both or neither); auth_token: required bearer token (None: no auth)
+    """
+
+    model: str | None = None
+    proposer: str = "none"
+    draft: str | None = None
+    policy: str | None = None
+    menu: str = "default"
+    tokenizer: str = "model"
+    dtype: str = "auto"
+    mesh: str | None = None
+    tree: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 128
+    max_queue: int = 256
+    max_running: int | None = None
+    max_stop_strings: int = 8
+    max_stop_chars: int = 256
+    max_message_bytes: int = 1 << 20
+    request_timeout_s: float = 5.0
+    max_pending_calls: int = 64
+    drain_timeout_s: float = 120.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token: str | None = None
+
+    def __post_init__(self):
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        for name in ("max_tokens_limit", "default_max_tokens", "max_queue", "max_stop_chars", "max_message_bytes",
+                     "max_pending_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_stop_strings < 0:
+            raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} exceeds "
+                             f"max_tokens_limit={self.max_tokens_limit}")
+        for name in ("drain_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both tls_cert and tls_key (or neither)")
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("auth_token must be non-empty when set")
+        if self.max_message_bytes * TRANSPORT_LIMIT_FACTOR >= 1 << 31:
+            raise ValueError(f"max_message_bytes must be < {(1 << 31) // TRANSPORT_LIMIT_FACTOR}, "
+                             f"got {self.max_message_bytes}")
+
+    def engine_args(self) -> EngineArgs:
+        """The engine this config names (ValueError for a bad proposer, tokenizer or policy)."""
+        return EngineArgs(model=self.model, proposer=self.proposer, draft=self.draft, policy=self.policy,
+                          menu=self.menu, tokenizer=self.tokenizer, dtype=self.dtype, mesh=self.mesh,
+                          tree=self.tree)
+
+
+def load_serve_config(path: str | Path | None = None, **overrides) -> ServeConfig:
+    """ServeConfig defaults <- the YAML file at `path` <- `overrides` that are not None."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"serving config {path} does not exist")
+        values.update(check_fields(ServeConfig, yaml.safe_load(path.read_text()) or {}, path))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ServeConfig(**values)
+
+
+def check_tls_pair(cert: str | Path, key: str | Path) -> None:
+    """Raise ValueError unless `key` is the unencrypted PEM private key of the PEM certificate chain
+    `cert` (gRPC would only say that it cannot bind); FileNotFoundError for a missing file."""
+    for path, marker, what in ((cert, b"-----BEGIN CERTIFICATE-----", "certificate"),
+                               (key, b"PRIVATE KEY-----", "private key")):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"TLS file {path} does not exist")
+        if marker not in Path(path).read_bytes():
+            raise ValueError(f"TLS file {path} holds no PEM {what}")
+
+    def encrypted() -> bytes:
+        raise ValueError(f"TLS key {key} is encrypted; gRPC needs an unencrypted PEM key")
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(str(cert), str(key), password=encrypted)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(f"TLS key {key} does not match the certificate {cert}") from None
+        raise ValueError(f"cannot load the TLS certificate {cert} with key {key}: {exc.reason or exc}") from None
+
+
+__all__ = ["DEFAULT_CONFIG", "TRANSPORT_LIMIT_FACTOR", "ServeConfig", "check_tls_pair", "load_serve_config"]
