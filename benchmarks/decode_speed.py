@@ -9,7 +9,7 @@ it, in the same process, and the table reports engine / bare (with the machine l
 after each row: numbers taken above a load of about 1 on a 2-core machine are distorted). Where the
 engine's weights are column panels (`jaxspec.models.panel_matmul`, XLA:CPU) the table also times the chain with
 XLA's dot. `--xla-form` adds a second engine, the model loaded again under
-`jaxspec.models.cache_attention.xla_form_only` (XLA's weight layout and attention form), alternated with the
+`kernels='xla'` (XLA's weight layout and attention form), alternated with the
 first: what this project's XLA:CPU kernels buy.
 Both engines decode the same prompt greedily in the same process, alternating, `--repeats` times
 (medians reported, every repeat kept); prefill is excluded on both sides; the outputs are compared
@@ -40,7 +40,6 @@ from jaxspec.bench.floor import format_growth, format_rows, load, step_vs_bare, 
 from jaxspec.engine.build import build_model, build_proposer
 from jaxspec.engine.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu
-from jaxspec.models.cache_attention import xla_form_only
 from jaxspec.models.loading import resolve_model
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
@@ -133,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     engine.warmup(progress=False)
     reference = None
     if args.xla_form:
-        with xla_form_only():  # XLA's weight layout (a second load) and the XLA form in everything it compiles
-            ref_model = build_model(args.model, dtype=args.dtype).model
-            reference = Engine(ref_model, build_proposer("ngram", ref_model) if proposer else None, menu)
+        # XLA's weight layout (a second load) and the XLA form in everything it compiles
+        ref_model = build_model(args.model, dtype=args.dtype, kernels="xla").model
+        reference = Engine(ref_model, build_proposer("ngram", ref_model, kernels="xla") if proposer else None, menu,
+                           kernels="xla")
         reference.warmup(progress=False)
     load_before = load()
     rows = step_vs_bare(engine, repeats=args.step_repeats, reference=reference)

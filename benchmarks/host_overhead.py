@@ -49,15 +49,8 @@ def prompt(vocab: int, row: int) -> list[int]:
 
 def executable_call(engine: Engine, batch: int, k: int, window: int):
     """A no-argument call of the compiled (B, k, W) step on slots 0..B-1 alone (blocks until done)."""
-    fn = engine._executable(StepKey(batch, k, window))
-    slots = np.arange(batch, dtype=np.int32)
-    caps = np.full((batch,), k, np.int32)
-
-    def call():
-        engine.state, packed = fn(engine._params, engine._proposer_params, engine.state, slots, caps)
-        packed.block_until_ready()
-
-    return call
+    key, slots, caps = StepKey(batch, k, window), np.arange(batch, dtype=np.int32), np.full((batch,), k, np.int32)
+    return lambda: engine.run_step_executable(key, slots, caps).block_until_ready()
 
 
 def engine_call(engine: Engine, batch: int, k: int):

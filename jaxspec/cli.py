@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from jaxspec.bench import cli as bench_cli
-from jaxspec.engine import profiler
+from jaxspec.bench import profile_cmd
 from jaxspec.serving import batch_cmd, client, generate, models_cmd, serve_cmd
 from jaxspec.training import cli as distill_cli
 
@@ -30,7 +30,7 @@ COMMANDS = {
     "client": Command(client.add_client_arguments, client.run_client, "stream a completion from a server"),
     "batch": Command(batch_cmd.add_arguments, batch_cmd.run, "offline, resumable batch generation (JSONL)"),
     "bench": Command(bench_cli.add_arguments, bench_cli.run, "serving benchmark: load × workloads × policies"),
-    "profile": Command(profiler.add_arguments, profiler.run, "measure the step cost model on this device"),
+    "profile": Command(profile_cmd.add_arguments, profile_cmd.run, "measure the step cost model on this device"),
     "distill": Command(distill_cli.add_arguments, distill_cli.run, "train a draft model for a target"),
     "models": Command(models_cmd.add_arguments, models_cmd.run, "list models, or convert one for fast loading"),
 }

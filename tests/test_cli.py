@@ -185,7 +185,7 @@ def test_generate_with_a_tree_under_goodput_marks_the_tree_steps(tmp_path, monke
     menu.write_text("num_slots: 1\nmax_len: 128\nbatch_buckets: [1]\nk_menu: [0, 2, 4]\nwindow_buckets: [128]\n"
                     "prefill_buckets: [32]\n")
     key = ProfileKey(device_kind=device_kind(), model="tiny", draft="ngram+tree4:2", batch_buckets=(1,),
-                     k_menu=(0, 2, 4), window_buckets=(128,), attention="cache-kernel")
+                     k_menu=(0, 2, 4), window_buckets=(128,), attention="cpu-cache-kernel")
     entries = tuple(CostEntry(1, k, 128, 2.5e-4 if k == 4 else 1e-3, samples=5) for k in (0, 2, 4))
     CostProfile(key, entries).save(profiles / key.filename())
     result = jaxspec("generate", "abcabcabcabcabcab", "--model", "tiny", "--tokenizer", "ascii", "--menu", str(menu),

@@ -100,7 +100,7 @@ def test_weights_and_cache_are_bfloat16(bf16_model):
     assert params and all(p.dtype == jnp.bfloat16 for p in params)
     draft = truncated_copy(bf16_model, 1)  # a draft takes the target's dtype
     engine = Engine(bf16_model, DraftModelProposer(draft), MENU)
-    served = _float_leaves(engine._params)  # the per-layer serving arrays
+    served = _float_leaves(engine.placed_weights())  # the per-layer serving arrays
     assert served and all(p.dtype == jnp.bfloat16 for p in served)
     caches = [engine.state.cache, engine.state.proposer]
     buffers = _float_leaves(caches)

@@ -76,7 +76,7 @@ def test_greedy_equals_plain_decoding_with_the_table_head(name):
     target = random_model(TINY_QWEN, seed=3)
     engine = Engine(target, _proposers(target)[name](), MENU)
     engine.warmup(progress=False)
-    assert engine.table_head
+    assert engine.kernels.table_head and engine.kernels.panels
     prompts = random_prompts(PROMPT_LENGTHS, TINY_QWEN.vocab_size, seed=4)
     prompts = [_repetitive(p, reference_greedy(target, p, 10)) for p in prompts]
     expected = [reference_greedy(target, p, N_NEW) for p in prompts]

@@ -79,8 +79,8 @@ class _Spy:
     """Records the executable keys an engine looks up (steps and catch-up calls)."""
 
     def __init__(self, engine, monkeypatch):
-        self.keys, lookup = [], engine._executable
-        monkeypatch.setattr(engine, "_executable", lambda key: self.keys.append(key) or lookup(key))
+        self.keys, lookup = [], engine.executables.get
+        monkeypatch.setattr(engine.executables, "get", lambda key: self.keys.append(key) or lookup(key))
 
     def take(self):
         keys, self.keys = self.keys, []

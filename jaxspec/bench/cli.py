@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxspec.engine.args import EngineArgs
 
     # a sweep takes several proposers and policies (--proposers, --policies): only these engine flags are single
-    EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh"), defaults={"draft": "default"})
+    EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh", "kernels"), defaults={"draft": "default"})
     parser.add_argument("--proposers", type=_strs, default=None,
                         help="comma-separated of ngram,draft,feature (feature: the draft proposer with --draft "
                              "feature, side by side with --draft's; default: ngram,draft; --quick: draft on chat only)")
@@ -199,9 +199,9 @@ def service_rate(engine, tokenizer, workload, s: Settings) -> float:
 
 def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str = "",
           log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
-          on_record: Callable[[list[dict]], None] | None = None, mesh=None) -> list[dict]:
+          on_record: Callable[[list[dict]], None] | None = None, mesh=None, kernels: str = "auto") -> list[dict]:
     """Run every cell. proposers: name -> Proposer (built over `target`); `mesh`: a jaxspec.mesh.MeshSpec
-    (None: one device). Returns records;
+    (None: one device); `kernels`: the kernel choice the engines resolve their plan from. Returns records;
     `on_record(records so far)` after each measured point (partial results survive a timeout)."""
     from tqdm import tqdm
 
@@ -220,11 +220,12 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
     menu = bench_menu(s)
     tree = TreeEnvelope.parse(s.tree) if s.tree is not None else None  # the *-tree proposers' envelope
     t0 = time.perf_counter()
-    plain = Engine(target, None, menu.with_k_menu((0,)), mesh=mesh)
+    plain = Engine(target, None, menu.with_k_menu((0,)), mesh=mesh, kernels=kernels)
     plain.warmup(progress=s.progress)
     engines = {}
     for name, prop in proposers.items():
-        engines[name] = Engine(target, prop, menu.with_tree(tree) if name in TREE_PROPOSERS else menu, mesh=mesh)
+        engines[name] = Engine(target, prop, menu.with_tree(tree) if name in TREE_PROPOSERS else menu, mesh=mesh,
+                               kernels=kernels)
         engines[name].warmup(progress=s.progress)
         if any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
             make_bench_policy("goodput", engines[name])  # profile now (cached on disk)
@@ -400,16 +401,21 @@ def run(args: argparse.Namespace) -> int:
         pair = assemble_real_pair(install=True)
         model_spec, draft_spec = str(pair["target"]), str(pair["draft"])
     mesh = MeshSpec.parse(args.mesh) if args.mesh else MeshSpec()
-    built = build_model(model_spec, seed=s.seed, dtype=args.dtype, mesh=mesh)
+    from jaxspec.models.kernel_plan import kernel_choice
+
+    kernels = kernel_choice(args.kernels)
+    built = build_model(model_spec, seed=s.seed, dtype=args.dtype, mesh=mesh, kernels=kernels)
     proposers = {}
     for name in s.proposers:  # ngram-tree / draft-tree: that proposer on a menu with the tree envelope (sweep)
         if name == "feature":  # the shipped feature draft next to --draft's
-            proposers[name] = build_proposer("draft", built.model, "feature", mesh=mesh)
+            proposers[name] = build_proposer("draft", built.model, "feature", mesh=mesh, kernels=kernels)
         else:
-            proposers[name] = build_proposer(name.removesuffix("-tree"), built.model, draft_spec, mesh=mesh)
+            proposers[name] = build_proposer(name.removesuffix("-tree"), built.model, draft_spec, mesh=mesh,
+                                             kernels=kernels)
     started = time.time()
     uses_draft = bool({"draft", "draft-tree"} & set(s.proposers))
-    records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if uses_draft else "", mesh=mesh)
+    records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if uses_draft else "", mesh=mesh,
+                    kernels=kernels)
     result = {
         "meta": {"command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "model": built.name,
                  "dtype": built.model.config.dtype, "mesh": str(mesh),

@@ -20,7 +20,6 @@ It prefills slot 0 with a dummy prompt and resets the engine at the end: run it 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import statistics
 import time
@@ -62,7 +61,7 @@ def bare_chain(engine, t: int, xla_dot: bool = False):
     mats = tuple((matrix(p["wqkv"], c.hidden_size), matrix(p["wo"], nh), matrix(p["w_gate_up"], c.hidden_size),
                   matrix(p["w_down"], f)) for p in layers)
     head = top["embed"] if c.tie_embeddings else top["lm_head"]
-    table_head = engine.table_head and not xla_dot
+    table_head = engine.kernels.table_head and not xla_dot
 
     def chain(x, mats, head):
         for wqkv, wo, w_gate_up, w_down in mats:  # x: [T, D]
@@ -112,15 +111,8 @@ def bare_call(engine, t: int, xla_dot: bool = False):
 def step_call(engine, k: int, window: int):
     """A no-argument call of the engine's compiled (B=1, k, W) step executable alone (slot 0), as
     `Engine.step` calls it, without host bookkeeping (blocks until done)."""
-    fn = engine._executable(StepKey(1, k, window))
-    slots = np.zeros((1,), np.int32)
-    caps = np.full((1,), k, np.int32)
-
-    def call():
-        engine.state, packed = fn(engine._params, engine._proposer_params, engine.state, slots, caps)
-        packed.block_until_ready()
-
-    return call
+    key, slots, caps = StepKey(1, k, window), np.zeros((1,), np.int32), np.full((1,), k, np.int32)
+    return lambda: engine.run_step_executable(key, slots, caps).block_until_ready()
 
 
 def hold_context(engine, length: int):
@@ -128,14 +120,7 @@ def hold_context(engine, length: int):
     with length = W - (k + 1) every step at window W attends its whole window. The cached-attention kernel
     (jaxspec/models/cache_attention.py) reads only the positions a row holds, so its cost follows the context;
     a full window is the most a step in that bucket can cost."""
-    lengths = np.asarray(engine.state.cache.lengths).copy()  # [S+1]
-    lengths[0] = length
-
-    def call():
-        cache = dataclasses.replace(engine.state.cache, lengths=jnp.asarray(lengths))
-        engine.state = dataclasses.replace(engine.state, cache=cache)
-
-    return call
+    return lambda: engine.set_length(0, length)
 
 
 def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8, reference=None) -> list[dict]:
@@ -145,7 +130,7 @@ def step_vs_bare(engine, repeats: int = 20, prompt_len: int = 8, reference=None)
     Slot 0 is prefilled with `prompt_len` tokens, then held at W - (k + 1) committed tokens before every
     step, so each step attends its whole window (the XLA form costs the same at any length; the
     cached-attention kernel reads what the row holds). `reference`, an
-    engine with the same menu (one built under `jaxspec.models.cache_attention.xla_form_only`), is called in
+    engine with the same menu (one built with `kernels='xla'`), is called in
     the same alternation and adds {reference_ms, reference_ratio} to each row.
     """
     engines = [engine] if reference is None else [engine, reference]

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, MenuMissError, PrefillKey, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec
+from jaxspec.models.kernel_plan import KernelPlan
 from jaxspec.types import SamplingParams, StepResult
 
 # --- the contract -----------------------------------------------------------------------
@@ -38,8 +39,8 @@ class EngineAPI(Protocol):
     proposer_name:  "none", "ngram", "draft:<draft model>", ...; names the cost profile.
     dtype:          the weights' and KV cache's dtype ('float32', 'bfloat16'); names the cost profile.
     mesh_spec:      the device mesh it runs on (jaxspec.mesh.MeshSpec); names the cost profile.
-    attention:      how its steps attend: 'cache-kernel' (XLA:CPU, reading the cache in place) or 'xla';
-                    names the cost profile.
+    kernels:        the kernel plan its steps trace with (jaxspec.models.kernel_plan); its attention form names
+                    the cost profile.
     """
 
     menu: Menu
@@ -49,7 +50,7 @@ class EngineAPI(Protocol):
     proposer_name: str
     dtype: str
     mesh_spec: MeshSpec
-    attention: str
+    kernels: KernelPlan
 
     def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True) -> int:
         """Make every shape of the menu (or `keys`) ready; returns how many were built."""

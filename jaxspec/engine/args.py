@@ -17,6 +17,7 @@ from typing import Any
 from jaxspec.dtypes import DTYPES
 from jaxspec.engine.build import PROPOSERS
 from jaxspec.mesh import MeshSpec
+from jaxspec.models.kernel_plan import KERNELS_ENV, KernelChoice, kernel_choice
 from jaxspec.policy.spec import HELP as POLICY_HELP
 from jaxspec.policy.spec import PolicySpec
 
@@ -67,6 +68,10 @@ class EngineArgs:
     mesh: str | None = _flag(None, "device mesh: 'data=D,model=M' (KV cache slots over D devices, tensor parallel over "
                              "M); overrides the engine config's mesh", shown="the engine config's, else data=1,model=1",
                              metavar="data=D,model=M")
+    kernels: str | None = _flag(None, "kernel plan: 'auto' (the kernels this backend, dtype, mesh and model allow: "
+                                "XLA:CPU's cache attention and panel matmuls, Pallas attention on GPU) or 'xla' (the "
+                                "XLA form everywhere); docs/design.md, 'The kernel plan'",
+                                shown=f"${KERNELS_ENV}, else auto", metavar="auto|xla")
 
     def __post_init__(self):
         if self.proposer not in PROPOSERS:
@@ -81,6 +86,7 @@ class EngineArgs:
         self.policy_spec()  # a bad or proposer-less policy fails here, before anything loads
         if self.mesh is not None:
             MeshSpec.parse(self.mesh)  # a bad mesh fails here too
+        self.kernel_choice()  # a bad --kernels (or $JAXSPEC_KERNELS) fails here too
         if self.tree is not None:
             self.tree_envelope()  # a bad envelope fails here too
             if self.proposer not in ("ngram", "draft"):
@@ -103,6 +109,10 @@ class EngineArgs:
         tree = self.tree_envelope()
         menu = menu if tree is None else menu.with_tree(tree)
         return menu.with_k_menu(self.policy_spec().k_values(menu.k_menu))
+
+    def kernel_choice(self) -> KernelChoice:
+        """--kernels, else $JAXSPEC_KERNELS, else 'auto'."""
+        return kernel_choice(self.kernels)
 
     def mesh_spec(self) -> MeshSpec:
         """--mesh, else the engine config's `mesh:`, else data=1,model=1."""

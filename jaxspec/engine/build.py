@@ -14,10 +14,12 @@ from jaxspec.config_file import check_fields
 from jaxspec.dtypes import resolve_dtype
 from jaxspec.engine import draft_artifacts
 from jaxspec.engine.engine import Engine
+from jaxspec.engine.kernels import kernel_plan_for
 from jaxspec.menu import Menu
 from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.feature_draft import FeatureDraft
+from jaxspec.models.kernel_plan import KernelChoice
 from jaxspec.models.llama import Llama, from_hf_state_dict, is_serving_only, random_model, to_hf_state_dict
 from jaxspec.models.loading import ModelLoadError, TextTokenizer, resolve_model
 from jaxspec.models.loading.streaming import stream_model, streamed_source
@@ -44,31 +46,35 @@ class BuiltModel:
 
 
 def build_model(spec: str | None, seed: int = 0, dtype: str = "float32", mesh: MeshSpec = MeshSpec(),
-                tensor_parallel: bool = True) -> BuiltModel:
+                tensor_parallel: bool = True, kernels: KernelChoice = "auto") -> BuiltModel:
     """Load a model spec (weights) or build a preset with random weights (tests, GPU benches).
 
     `dtype` ('auto', 'float32', 'bfloat16') is that of the weights and KV cache, resolved against
     jax.default_backend() here (jaxspec.dtypes.resolve_dtype); engine commands pass --dtype (default auto).
     `mesh` / `tensor_parallel`: where loaded weights are placed (split over `model`, or replicated for a draft).
-    A loaded model is streamed tensor by tensor into its serving layout for that placement
-    (`jaxspec.models.loading.streaming`: never a whole float32 copy on the host); it serves only there.
+    A loaded model is streamed tensor by tensor into its serving layout for that placement and the kernel plan
+    of `kernels` (`jaxspec.models.loading.streaming`: never a whole float32 copy on the host); it serves only there.
     """
     dtype = resolve_dtype(dtype, jax.default_backend())  # a bad name fails before anything loads
     source = resolve_model(spec)
     if source.preset is not None:
         return BuiltModel(random_model(source.preset.replace(dtype=dtype), seed), None, source.name)
-    streamed = stream_model(source, dtype, _placement(mesh, tensor_parallel))
+    streamed = stream_model(source, dtype, _placement(mesh, tensor_parallel, kernels))
     return BuiltModel(streamed.model, streamed.tokenizer, source.name)
 
 
-def _placement(mesh: MeshSpec, tensor_parallel: bool) -> Callable[[ModelConfig], Placement]:
-    """Where a loaded model's serving weights go: split over `model` (plan_layout) or replicated."""
-    if not tensor_parallel:
-        return lambda config: serving_placement(make_mesh(mesh), replicated_layout(config, mesh.model), config.dtype)
-    return lambda config: serving_placement(make_mesh(mesh), plan_layout(config, mesh.model), config.dtype)
+def _placement(mesh: MeshSpec, tensor_parallel: bool, kernels: KernelChoice) -> Callable[[ModelConfig], Placement]:
+    """Where a loaded model's serving weights go: split over `model` (plan_layout) or replicated, in the weight
+    layout of its kernel plan."""
+    def placement(config: ModelConfig) -> Placement:
+        layout = plan_layout(config, mesh.model) if tensor_parallel else replicated_layout(config, mesh.model)
+        return serving_placement(make_mesh(mesh), layout, kernel_plan_for(config, mesh, kernels, tensor_parallel))
+
+    return placement
 
 
-def truncated_copy(target: Llama, num_layers: int, mesh: MeshSpec = MeshSpec()) -> Llama:
+def truncated_copy(target: Llama, num_layers: int, mesh: MeshSpec = MeshSpec(),
+                   kernels: KernelChoice = "auto") -> Llama:
     """The target's first `num_layers` layers with its embedding and head: a cheap draft.
 
     A streamed (serving-only) target is re-read from its file (first layers only), replicated over `mesh`.
@@ -80,23 +86,24 @@ def truncated_copy(target: Llama, num_layers: int, mesh: MeshSpec = MeshSpec()) 
         source = streamed_source(target)
         if source is None:
             raise ValueError(f"{target.config.name} is serving-only but was not streamed from a file")
-        placement = serving_placement(make_mesh(mesh), TensorParallelLayout(), target.config.dtype)
+        plan = kernel_plan_for(target.config, mesh, kernels, tensor_parallel=False)
+        placement = serving_placement(make_mesh(mesh), TensorParallelLayout(), plan)
         return stream_model(source, target.config.dtype, placement, num_layers=num_layers,
                             name=name).model
     config = target.config.replace(name=name, num_layers=num_layers)
     return from_hf_state_dict(config, to_hf_state_dict(target))
 
 
-def build_draft(spec: str, target: Llama, mesh: MeshSpec = MeshSpec()) -> Llama:
+def build_draft(spec: str, target: Llama, mesh: MeshSpec = MeshSpec(), kernels: KernelChoice = "auto") -> Llama:
     """Draft specs: 'self' (the target), 'truncated:N' (its first N layers), 'default' (the
     shipped distilled draft), or any model spec; every draft takes the target's dtype."""
     if spec == "self":
         return target
     if spec.startswith("truncated:"):
-        return truncated_copy(target, int(spec.split(":", 1)[1]), mesh)
+        return truncated_copy(target, int(spec.split(":", 1)[1]), mesh, kernels)
     if spec == "default":
         return draft_artifacts.load_shipped_draft(target.config, target)
-    return build_model(spec, dtype=target.config.dtype, mesh=mesh, tensor_parallel=False).model
+    return build_model(spec, dtype=target.config.dtype, mesh=mesh, tensor_parallel=False, kernels=kernels).model
 
 
 def build_feature_draft(spec: str, target: Llama) -> FeatureDraft:
@@ -108,7 +115,8 @@ def build_feature_draft(spec: str, target: Llama) -> FeatureDraft:
 
 
 def build_proposer(kind: str, target: Llama, draft: str | None = None,
-                   ngram: tuple[int, int] = (1, 3), mesh: MeshSpec = MeshSpec()) -> Proposer | None:
+                   ngram: tuple[int, int] = (1, 3), mesh: MeshSpec = MeshSpec(),
+                   kernels: KernelChoice = "auto") -> Proposer | None:
     if kind == "none":
         return None
     if kind == "ngram":
@@ -117,7 +125,7 @@ def build_proposer(kind: str, target: Llama, draft: str | None = None,
         spec = draft or "default"
         if spec == "feature" or spec.startswith("feature:"):
             return FeatureDraftProposer(build_feature_draft(spec, target))
-        return DraftModelProposer(build_draft(spec, target, mesh))
+        return DraftModelProposer(build_draft(spec, target, mesh, kernels))
     raise ValueError(f"unknown proposer {kind!r}; choose one of {', '.join(PROPOSERS)}")
 
 
@@ -155,11 +163,11 @@ def load_menu(name_or_path: str | None = None, **overrides) -> Menu:
 
 
 def build_engine(model: str | None = None, proposer: str = "none", draft: str | None = None,
-                 menu: Menu | None = None, dtype: str = "float32",
-                 mesh: MeshSpec = MeshSpec()) -> tuple[Engine, TextTokenizer | None]:
-    built = build_model(model, dtype=dtype, mesh=mesh)
-    prop = build_proposer(proposer, built.model, draft, mesh=mesh)
-    return Engine(built.model, prop, menu or load_menu(), mesh=mesh), built.tokenizer
+                 menu: Menu | None = None, dtype: str = "float32", mesh: MeshSpec = MeshSpec(),
+                 kernels: KernelChoice = "auto") -> tuple[Engine, TextTokenizer | None]:
+    built = build_model(model, dtype=dtype, mesh=mesh, kernels=kernels)
+    prop = build_proposer(proposer, built.model, draft, mesh=mesh, kernels=kernels)
+    return Engine(built.model, prop, menu or load_menu(), mesh=mesh, kernels=kernels), built.tokenizer
 
 
 __all__ = ["build_engine", "build_model", "build_proposer", "build_draft", "build_feature_draft", "load_menu",

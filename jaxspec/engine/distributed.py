@@ -311,7 +311,7 @@ class LeaderEngine:
         self.proposer_name = engine.proposer_name
         self.dtype = engine.dtype
         self.mesh_spec = engine.mesh_spec
-        self.attention = engine.attention
+        self.kernels = engine.kernels
         with self._lock:
             link.send("hello", fingerprint(engine))
 

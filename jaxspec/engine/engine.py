@@ -25,26 +25,24 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from tqdm import tqdm
 
 from jaxspec.engine.api import prefill_prompt
-from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, MenuMissError, PrefillKey, ShapeKey, StepKey
+from jaxspec.engine.executables import CompiledMenu
+from jaxspec.engine.kernels import kernel_plan_for, report_missing_kernels
+from jaxspec.engine.step_bodies import PrefillInputs, StepBodies
+from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, PrefillKey, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec, make_mesh
-from jaxspec.models.cache_attention import kernel_allowed, reads_cache_in_place
+from jaxspec.models.kernel_plan import KernelChoice
 from jaxspec.models.kv_cache import init_cache
-from jaxspec.models.llama import Llama, StepInputs, chain_inputs, serving_split
+from jaxspec.models.llama import Llama, serving_split
 from jaxspec.models.sharding import cache_spec, padded_slots, plan_layout, replicated_layout, serving_placement
-from jaxspec.speculation import sampling
-from jaxspec.speculation import tree as tree_lib
-from jaxspec.speculation.proposers.base import NoProposer, Proposer, StepContext, empty_proposals
-from jaxspec.speculation.verify import RESIDUAL_KEY, verify, verify_tree
-from jaxspec.types import DecodeState, RowParams, SamplingParams, SlotParams, StepResult
+from jaxspec.speculation.proposers.base import NoProposer, Proposer
+from jaxspec.types import DecodeState, SamplingParams, SlotParams, StepResult
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -56,36 +54,6 @@ def enable_compilation_cache(path: str | None = None) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PrefillInputs:
-    """One prompt chunk for one slot, as the prefill executable takes it.
-
-    slot, start, n_valid: [1] int32 (cache slot, first position, real tokens in the chunk);
-    tokens: [1, C] int32 (padded past n_valid); is_last: [] bool (the prompt's last chunk: draw
-    the first token); temperature, top_p: [1] float32; top_k, seed: [1] int32.
-    """
-
-    slot: jax.Array
-    tokens: jax.Array
-    start: jax.Array
-    n_valid: jax.Array
-    is_last: jax.Array
-    temperature: jax.Array
-    top_p: jax.Array
-    top_k: jax.Array
-    seed: jax.Array
-
-    @classmethod
-    def spec(cls, chunk: int) -> PrefillInputs:
-        """Abstract shapes for compiling the chunk-C executable."""
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-        return cls(slot=i32(1), tokens=i32(1, chunk), start=i32(1), n_valid=i32(1),
-                   is_last=jax.ShapeDtypeStruct((), jnp.bool_), temperature=f32(1), top_p=f32(1), top_k=i32(1),
-                   seed=i32(1))
 
 
 @dataclasses.dataclass
@@ -104,7 +72,7 @@ class Engine:
     """Owns the device state and the compiled menu for one target (+ proposer); an `EngineAPI`."""
 
     def __init__(self, target: Llama, proposer: Proposer | None = None, menu: Menu = Menu(),
-                 mesh: MeshSpec = MeshSpec()):
+                 mesh: MeshSpec = MeshSpec(), kernels: KernelChoice = "auto"):
         self.model_config = target.config
         self.proposer = proposer or NoProposer()
         if isinstance(self.proposer, NoProposer) and menu.k_menu != (0,):
@@ -132,21 +100,24 @@ class Engine:
         self.mesh = make_mesh(mesh)
         layout = plan_layout(target.config, mesh.model)
         self.sharding_notes = layout.notes
-        # the layers' matmul weights as column panels on XLA:CPU (jaxspec/models/panel_matmul.py; docs/design.md,
-        # "Matmuls on XLA:CPU"): a model loaded for another placement is refused by serving_split
-        self._placement = serving_placement(self.mesh, layout, target.config.dtype)
+        # the kernel plan (jaxspec.models.kernel_plan; docs/design.md, "The kernel plan"): resolved once here, passed
+        # to every traced body; a model loaded for another plan's weight layout is refused by serving_split
+        self.kernels = kernel_plan_for(target.config, mesh, kernels)
+        report_missing_kernels(self.kernels)
+        self._placement = serving_placement(self.mesh, layout, self.kernels)
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self._cache_config = target.config.replace(num_kv_heads=layout.kv_heads_for(target.config))
         # per-layer weight arrays (unrolled layers, no per-step slice copies), stored once
         self._graphdef, self._params = serving_split(target, self._placement)
-        # weights in column panels: the tied LM head reads the embedding with the table kernel too (batch-invariant
-        # logits; docs/design.md, "Matmuls on XLA:CPU")
-        self.table_head = self._placement.panels and target.config.tie_embeddings
         # the proposer's layers are replicated (small); an embedding it shares with the target stays the target's
+        draft_model_config = getattr(self.proposer, "config", None) or target.config
+        self.proposer_kernels = kernel_plan_for(draft_model_config, mesh, kernels, tensor_parallel=False)
+        self.proposer = self.proposer.with_kernels(self.proposer_kernels)
         self.proposer_placement = serving_placement(self.mesh, replicated_layout(target.config, mesh.model),
-                                                    target.config.dtype)
+                                                    self.proposer_kernels)
         self._proposer_params = self.proposer.params(self.proposer_placement)
-        self._executables: dict[ShapeKey, Callable] = {}
+        self.bodies = StepBodies(self._graphdef, self.proposer, menu, self.kernels)
+        self.executables = CompiledMenu(menu, self._lower)
         self.lengths = np.zeros(menu.num_slots, np.int64)  # host mirror of committed lengths
         self.proposer_lengths = np.zeros(menu.num_slots, np.int64)  # host mirror: what the proposer saw
         self.catch_up_totals = CatchUpTotals()
@@ -154,9 +125,6 @@ class Engine:
                                                                  jax.eval_shape(self._fresh_state))
         self._init_state = jax.jit(self._fresh_state, out_shardings=self._state_shardings)
         self.state = self._init_state()
-        # steps read the cache in place on XLA:CPU (jaxspec/models/cache_attention.py); decided here (inside
-        # `xla_form_only`: 'xla') and held for every executable `_compile` traces
-        self.attention = "cache-kernel" if reads_cache_in_place(self.state.cache.k[0], 1) else "xla"
 
     # --- state ---------------------------------------------------------------------
 
@@ -194,147 +162,6 @@ class Engine:
     def scratch_slot(self) -> int:
         return self.menu.num_slots
 
-    # --- traced bodies -------------------------------------------------------------
-
-    def _rows(self, state: DecodeState, slot_ids: jax.Array) -> RowParams:
-        p = state.params
-        return RowParams(temperature=p.temperature[slot_ids], top_p=p.top_p[slot_ids], top_k=p.top_k[slot_ids],
-                         keys=sampling.row_keys(p.seed[slot_ids], state.n_generated[slot_ids]))
-
-    def _step_body(self, k: int, window: int):
-        proposer = self.proposer
-        scratch = self.scratch_slot
-        tree = self.menu.tree_at(k)
-
-        def body(target_params, proposer_params, state: DecodeState, slot_ids, row_k):
-            target, layers = nnx.merge(self._graphdef, target_params[0]), target_params[1]
-            b = slot_ids.shape[0]
-            start = state.cache.lengths[slot_ids]  # [B]
-            pending = state.pending[slot_ids]  # [B]
-            ctx = StepContext(slot_ids=slot_ids, start=start, history=state.history, rows=self._rows(state, slot_ids))
-            if tree is not None:  # a token tree of k nodes (jaxspec/speculation/tree.py)
-                nodes, pstate = proposer.propose_tree(proposer_params, state.proposer, ctx, tree, window)
-                # row b verifies nodes 1 .. min(lens, row_k[b]): a parent-closed prefix at most that deep
-                valid = jnp.arange(k)[None, :] < jnp.minimum(nodes.lens, row_k)[:, None]  # [B, k]
-                rooted = tree_lib.with_root(nodes, valid)  # tokens, parents, depth: [B, k+1]
-                logits, cache = target.forward_cached(
-                    tree_lib.tree_inputs(pending, rooted, slot_ids, start, tree.depth), state.cache, window,
-                    layers=layers)  # [B, k+1, V]
-                out, counts, path = verify_tree(logits, *rooted, ctx.rows, tree.depth)
-                cache = tree_lib.compact(cache, slot_ids, start, path)  # the accepted path where a chain has it
-                proposed = jnp.sum(valid, axis=1).astype(jnp.int32)  # [B]
-            else:
-                if k > 0:
-                    proposals, pstate = proposer.propose(proposer_params, state.proposer, ctx, k, window)
-                    # per-request k: row b verifies at most row_k[b] proposals
-                    proposals = dataclasses.replace(proposals, lens=jnp.minimum(proposals.lens, row_k))
-                else:  # plain decoding: the proposer's state is left alone (caught up lazily)
-                    proposals = empty_proposals(b)
-                    pstate = state.proposer
-                # tokens_in: [B, k+1] = pending then the proposals
-                tokens_in = jnp.concatenate([pending[:, None], proposals.token_ids], axis=1)
-                hidden, features, cache = self._target_pass(target, chain_inputs(tokens_in, slot_ids, start),
-                                                            state.cache, window, layers)  # [B, k+1, D], [B, k+1, n·D]
-                logits = target.unembed(hidden, self.table_head)  # [B, k+1, V]
-                out, counts = verify(logits, proposals, ctx.rows)  # [B, k+1], [B]
-                proposed = proposals.lens
-                if proposer.feature_layers:  # every committed position's feature, k = 0 included
-                    pstate = proposer.record_features(pstate, slot_ids, start, features)
-
-            new_len = start + counts
-            cache = cache.with_lengths(slot_ids, new_len)
-            cache = cache.with_lengths(jnp.array([scratch]), jnp.zeros((1,), jnp.int32))
-            new_pending = jnp.take_along_axis(out, (counts - 1)[:, None], axis=1)[:, 0]  # [B]
-            # history[slot, start+1+j] = out[:, j]  (entries past counts are overwritten later)
-            hist_pos = start[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :]  # [B, k+1]
-            history = state.history.at[slot_ids[:, None], hist_pos].set(out, mode="drop")
-            if tree is not None:
-                pstate = proposer.commit_tree(proposer_params, pstate, dataclasses.replace(ctx, history=history),
-                                              nodes, path, counts - 1, window)
-            elif k > 0:
-                pstate = proposer.commit(proposer_params, pstate, dataclasses.replace(ctx, history=history), k,
-                                         counts - 1, window)
-            new_state = DecodeState(
-                cache=cache,
-                pending=state.pending.at[slot_ids].set(new_pending),
-                history=history,
-                n_generated=state.n_generated.at[slot_ids].add(counts),
-                params=state.params,
-                proposer=pstate,
-            )
-            # packed: [B, k+4] = tokens | count | proposed | proposer's context length  (one host copy per step)
-            packed = jnp.concatenate([out, counts[:, None], proposed[:, None],
-                                      proposer.context_lengths(pstate, slot_ids)[:, None]], axis=1)
-            return new_state, packed
-
-        return body
-
-    def _target_pass(self, target, inputs: StepInputs, cache, window: int, layers):
-        """The target over `inputs`: (hidden [B, T, D], the proposer's features [B, T, n·D] or None, cache)."""
-        if self.proposer.feature_layers:
-            return target.forward_cached_features(inputs, cache, window, self.proposer.feature_layers, layers=layers)
-        hidden, cache = target.forward_cached_hidden(inputs, cache, window, layers=layers)
-        return hidden, None, cache
-
-    def _prefill_body(self, chunk: int, window: int):
-        proposer = self.proposer
-
-        def body(target_params, proposer_params, state: DecodeState, chunk_in: PrefillInputs):
-            slot, tokens, start, n_valid, is_last = (chunk_in.slot, chunk_in.tokens, chunk_in.start,
-                                                     chunk_in.n_valid, chunk_in.is_last)  # see PrefillInputs
-            temperature, top_p, top_k, seed = chunk_in.temperature, chunk_in.top_p, chunk_in.top_k, chunk_in.seed
-            target, layers = nnx.merge(self._graphdef, target_params[0]), target_params[1]
-            params = SlotParams(temperature=state.params.temperature.at[slot].set(temperature),
-                                top_p=state.params.top_p.at[slot].set(top_p),
-                                top_k=state.params.top_k.at[slot].set(top_k),
-                                seed=state.params.seed.at[slot].set(seed))
-            inputs = chain_inputs(tokens, slot, start)
-            hidden, features, cache = self._target_pass(target, inputs, state.cache, window, layers)  # [1, C, D|n·D]
-            # logits: [1, 1, V] after the chunk's last real token
-            logits = target.unembed(jnp.take_along_axis(hidden, (n_valid - 1)[:, None, None], axis=1), self.table_head)
-            cache = cache.with_lengths(slot, start + n_valid)
-            pstate = state.proposer
-            if proposer.feature_layers:  # stored for the draft's catch-up (it reads them)
-                pstate = proposer.record_features(pstate, slot, start, features)
-            if proposer.tracks_context:  # a draft sees the prompt lazily (catch-up): it holds nothing yet
-                pstate = proposer.forget(pstate, slot)
-            else:
-                pstate = proposer.prefill(proposer_params, pstate, inputs, n_valid, window)
-            positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
-            history = state.history.at[slot[:, None], positions].set(tokens, mode="drop")
-            # first generated token (used only when this is the prompt's last chunk)
-            n_gen = jnp.zeros((1,), jnp.int32)
-            rows = RowParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                             keys=sampling.row_keys(seed, n_gen))
-            first = sampling.draw(logits[:, 0, :], rows, sampling.subkeys(rows.keys, RESIDUAL_KEY))[0]  # [1]
-            first_pos = start + n_valid
-            history = jnp.where(is_last, history.at[slot, first_pos].set(first, mode="drop"), history)
-            new_state = DecodeState(
-                cache=cache,
-                pending=jnp.where(is_last, state.pending.at[slot].set(first), state.pending),
-                history=history,
-                n_generated=state.n_generated.at[slot].set(jnp.where(is_last, 1, 0)),
-                params=params,
-                proposer=pstate,
-            )
-            return new_state, first
-
-        return body
-
-    def _catch_up_body(self, chunk: int, window: int):
-        """Feed a slot's committed history [start, start + n_valid) to the proposer's state."""
-        proposer = self.proposer
-
-        def body(proposer_params, state: DecodeState, slot, start, n_valid):
-            # slot, start, n_valid: [1]; tokens: [1, C] gathered on device from the history
-            idx = jnp.clip(start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :], 0, state.history.shape[1] - 1)
-            tokens = state.history[slot[:, None], idx]
-            pstate = proposer.prefill(proposer_params, state.proposer, chain_inputs(tokens, slot, start), n_valid,
-                                      window)
-            return dataclasses.replace(state, proposer=pstate)
-
-        return body
-
     # --- compilation ---------------------------------------------------------------
 
     def shape_keys(self, batch_buckets: Sequence[int] | None = None,
@@ -347,50 +174,35 @@ class Engine:
             keys += m.catch_up_keys()
         return keys
 
-    def _compile(self, key: ShapeKey) -> Callable:
-        """One menu executable, with explicit input and output shardings (state in = state out)."""
-        with kernel_allowed(self.attention == "cache-kernel"):  # the form chosen in __init__, wherever compiled
-            return self._lower(key).compile()
-
     def _lower(self, key: ShapeKey):
-        """The jitted body of one menu shape, lowered with its shardings (not yet compiled)."""
+        """The jitted body of one menu shape (jaxspec.engine.step_bodies), lowered with its shardings."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         rep, state = self._replicated, self._state_shardings
         params, proposer_params = jax.tree.map(lambda x: x.sharding, (self._params, self._proposer_params))
         if isinstance(key, StepKey):
-            fn = jax.jit(self._step_body(key.k, key.window), donate_argnums=(2,),
+            fn = jax.jit(self.bodies.step(key.k, key.window), donate_argnums=(2,),
                          in_shardings=(params, proposer_params, state, rep, rep), out_shardings=(state, rep))
-            lowered = fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch))
-        elif isinstance(key, CatchUpKey):
-            fn = jax.jit(self._catch_up_body(key.chunk, key.window), donate_argnums=(1,),
+            return fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch))
+        if isinstance(key, CatchUpKey):
+            fn = jax.jit(self.bodies.catch_up(key.chunk, key.window), donate_argnums=(1,),
                          in_shardings=(proposer_params, state, rep, rep, rep), out_shardings=state)
-            lowered = fn.lower(self._proposer_params, self.state, i32(1), i32(1), i32(1))
-        elif isinstance(key, PrefillKey):
-            fn = jax.jit(self._prefill_body(key.chunk, key.window), donate_argnums=(2,),
+            return fn.lower(self._proposer_params, self.state, i32(1), i32(1), i32(1))
+        if isinstance(key, PrefillKey):
+            fn = jax.jit(self.bodies.prefill(key.chunk, key.window), donate_argnums=(2,),
                          in_shardings=(params, proposer_params, state, rep), out_shardings=(state, rep))
-            lowered = fn.lower(self._params, self._proposer_params, self.state, PrefillInputs.spec(key.chunk))
-        else:
-            raise TypeError(f"not a shape key: {key!r}")
-        return lowered
+            return fn.lower(self._params, self._proposer_params, self.state, PrefillInputs.spec(key.chunk))
+        raise TypeError(f"not a shape key: {key!r}")
 
-    def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True) -> int:
-        """Compile the menu ahead of time and run each new shape once (`_run_once`). Any failure raises.
-        Returns the number compiled."""
-        keys = [k for k in (keys or self.shape_keys()) if k not in self._executables]
-        for key in tqdm(keys, desc="compiling menu", unit="shape", disable=not progress or not keys,
-                        leave=False):
-            try:
-                self._executables[key] = self._compile(key)
-                self._run_once(key)
-            except Exception as exc:  # re-raised with the shape that failed
-                raise RuntimeError(f"warming up {key} (compile, first run) failed: {exc}") from exc
-        return len(keys)
+    def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True, workers: int | None = None) -> int:
+        """Compile the menu ahead of time (`workers` threads: jaxspec.engine.executables) and run each new shape
+        once (`_run_once`). Any failure raises. Returns the number compiled."""
+        return self.executables.warmup(keys or self.shape_keys(), self._run_once, progress, workers)
 
     def _run_once(self, key: ShapeKey) -> None:
         """Run a new executable once on the scratch slot (every row of it), touching no request's slot. The
         first run of an executable pays one-time setup (0.25–0.4 s for a B = 8 step on XLA:CPU): left to
         serving, it lands in a request's latency and in the cost model's evidence for that shape."""
-        fn, scratch = self._executables[key], np.full((1,), self.scratch_slot, np.int32)
+        fn, scratch = self.executables.get(key), np.full((1,), self.scratch_slot, np.int32)
         zero = np.zeros((1,), np.int32)
         if isinstance(key, StepKey):  # padding rows: the scratch slot, proposing nothing
             rows = np.full((key.batch,), self.scratch_slot, np.int32)
@@ -407,15 +219,22 @@ class Engine:
 
     def compiled_text(self, key: ShapeKey) -> str:
         """The optimised HLO of a warmed-up shape (what runs on the device, collectives included)."""
-        return self._executable(key).as_text()
+        return self.executables.get(key).as_text()
 
-    def _executable(self, key: ShapeKey) -> Callable:
-        try:
-            return self._executables[key]
-        except KeyError:
-            m = self.menu
-            raise MenuMissError(f"shape {key} was not compiled in warm-up (menu: B={m.batch_buckets}, "
-                                f"k={m.k_menu}, W={m.window_buckets}, C={m.prefill_buckets})") from None
+    def run_step_executable(self, key: StepKey, slot_ids: np.ndarray, caps: np.ndarray) -> jax.Array:
+        """Run the compiled step `key` on slot ids [B] with caps [B] (padding rows: the scratch slot) and nothing
+        else: no catch-up, no host mirrors. Returns the packed result [B, k+4] on the device, not copied (for
+        benchmarks that time the executable alone: jaxspec.bench.floor, benchmarks/host_overhead.py)."""
+        self.state, packed = self.executables.get(key)(self._params, self._proposer_params, self.state,
+                                                      np.asarray(slot_ids, np.int32), np.asarray(caps, np.int32))
+        return packed
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Set a slot's committed length on the device and in the host mirror (positions past it are ignored
+        and overwritten): a benchmark holds a slot at one context this way."""
+        lengths = self.state.cache.lengths.at[slot].set(length)  # [S'+1]
+        self.state = dataclasses.replace(self.state, cache=dataclasses.replace(self.state.cache, lengths=lengths))
+        self.lengths[slot] = length
 
     # --- the contract ----------------------------------------------------------------
 
@@ -434,7 +253,7 @@ class Engine:
             n_valid=np.array([n], np.int32), is_last=np.bool_(is_last),
             temperature=np.array([params.temperature], np.float32), top_p=np.array([params.top_p], np.float32),
             top_k=np.array([params.top_k], np.int32), seed=np.array([seed], np.int32))
-        self.state, first = self._executable(key)(self._params, self._proposer_params, self.state, chunk_in)
+        self.state, first = self.executables.get(key)(self._params, self._proposer_params, self.state, chunk_in)
         self.lengths[slot] = start + n
         if start == 0:  # a new prompt: the draft has seen none of it (it catches up before speculating)
             self.proposer_lengths[slot] = 0
@@ -466,7 +285,7 @@ class Engine:
         k_run = shape.k
         caps = np.zeros((b,), np.int32)  # [B] padding rows (scratch slot) propose nothing
         caps[:n] = shape.caps
-        fn = self._executable(StepKey(b, k_run, shape.window))
+        fn = self.executables.get(StepKey(b, k_run, shape.window))
         catch_up_calls, catch_up_s = 0, 0.0
         if k_run > 0 and self.proposer.tracks_context:
             started = time.perf_counter()
@@ -500,8 +319,9 @@ class Engine:
         calls = 0
         for slot in slot_ids:
             for call in self.catch_up_plan(slot):
-                self.state = self._executable(call.key)(self._proposer_params, self.state, np.array([slot], np.int32),
-                                                        np.array([call.start], np.int32), np.array([call.n], np.int32))
+                run = self.executables.get(call.key)
+                self.state = run(self._proposer_params, self.state, np.array([slot], np.int32),
+                                 np.array([call.start], np.int32), np.array([call.n], np.int32))
                 self.proposer_lengths[slot] = call.start + call.n
                 calls += 1
         return calls

@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxspec.menu import CapacityError, CatchUpCall, Menu, MenuMissError, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec
+from jaxspec.models.kernel_plan import XLA_PLAN
 from jaxspec.types import SamplingParams, StepResult
 
 
@@ -50,7 +51,7 @@ class FakeEngine:
         self.proposer_name = proposer_name
         self.dtype = dtype
         self.mesh_spec = MeshSpec()  # counts on the host: no devices
-        self.attention = "xla"  # no attention at all; the profile key's default
+        self.kernels = XLA_PLAN  # no attention at all; the profile key's default
         self.accept = accept
         self.tracks_context = tracks_context
         self.in_step_catch_up = in_step_catch_up

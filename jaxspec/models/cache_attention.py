@@ -4,14 +4,10 @@
 On XLA:CPU the XLA form of cached attention (`jaxspec.models.llama.attention` over `cache[slot_ids, :W]`) copies
 each row's window out of the [S+1, M, G, H] cache every layer and step: its dots take whole buffers. This
 kernel takes the cache buffer and the slot ids and reads the window where it lies (docs/design.md,
-"Attention on XLA:CPU"). `forward_cached` uses it where `reads_cache_in_place` says so.
+"Attention on XLA:CPU"). `forward_cached` uses it where the kernel plan says so (jaxspec.models.kernel_plan).
 """
 
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -25,43 +21,11 @@ jax.ffi.register_ffi_target(TARGET, _cache_attention.handler(), platform="cpu")
 # it was measured faster than the XLA form up to T = 128 (docs/results/cache_attention.json), larger
 # prefill chunks were not measured and keep the XLA form
 MAX_STEP_TOKENS = 64
-_KERNEL_ALLOWED = contextvars.ContextVar("jaxspec_cache_kernel_allowed", default=True)
 
 
-@contextlib.contextmanager
-def kernel_allowed(allowed: bool) -> Iterator[None]:
-    """Within this block, models traced attend with the kernel where it applies (True) or in the XLA form
-    everywhere (False). `Engine` compiles every executable inside `kernel_allowed(engine.attention ==
-    'cache-kernel')`, so the form it chose at construction holds whatever block it is compiled in."""
-    token = _KERNEL_ALLOWED.set(allowed)
-    try:
-        yield
-    finally:
-        _KERNEL_ALLOWED.reset(token)
-
-
-def kernels_enabled() -> bool:
-    """False inside `kernel_allowed(False)` (`xla_form_only`): models traced there attend in the XLA form,
-    and placements made there keep XLA's weight layout (`jaxspec.models.panel_matmul.uses_panel_weights`)."""
-    return _KERNEL_ALLOWED.get()
-
-
-def xla_form_only() -> contextlib.AbstractContextManager[None]:
-    """`kernel_allowed(False)`: engines built and models traced in this block attend in the XLA form (the
-    side-by-side reference in benchmarks/decode_speed.py and the kernel's tests)."""
-    return kernel_allowed(False)
-
-
-def reads_cache_in_place(cache_k: jax.Array, t: int) -> bool:
-    """Whether `forward_cached` attends with `cache_attention` for T = `t` new tokens per row over a
-    cache buffer like `cache_k` (a tracer is fine): float32 on an XLA:CPU backend, on one device (a
-    cache split over a mesh keeps the XLA form, which the partitioner splits), a decode-sized T, and not
-    inside `kernel_allowed(False)` (`xla_form_only`)."""
-    if not kernels_enabled():
-        return False
-    mesh = jax.typeof(cache_k).sharding.mesh
-    return (jax.default_backend() == "cpu" and cache_k.dtype == jnp.float32
-            and (mesh.empty or mesh.size == 1) and t <= MAX_STEP_TOKENS)
+def kernel_available() -> tuple[bool, str]:
+    """(whether the compiled kernel is importable here, why not)."""
+    return True, ""
 
 
 def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, slot_ids: jax.Array,

@@ -34,6 +34,7 @@ from flax import nnx
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.draft import DraftLlama, Frozen
+from jaxspec.models.kernel_plan import XLA_PLAN, KernelPlan
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.llama import StepInputs, attention, rms_norm
 
@@ -106,11 +107,12 @@ class FeatureDraft(DraftLlama):
         return jnp.einsum("BTE,ED->BTD", jnp.concatenate([e, f], axis=-1), self.fuse.value)
 
     def forward_features(self, inputs: StepInputs, features: jax.Array, cache: KVCache, window: int,
-                         layers: tuple[dict, ...] | None = None) -> tuple[jax.Array, KVCache]:
+                         layers: tuple[dict, ...] | None = None,
+                         kernels: KernelPlan = XLA_PLAN) -> tuple[jax.Array, KVCache]:
         """Write T entries per row (tokens `inputs.tokens`, previous-position `features` [B, T, n·D or D]) into
         the draft cache; returns the predicted features [B, T, D] (decode them with `unembed`) and the cache."""
         return self.forward_cached_hidden(inputs, cache, window, layers=layers,
-                                          embeds=self.fused_inputs(inputs.tokens, features))
+                                          embeds=self.fused_inputs(inputs.tokens, features), kernels=kernels)
 
     def ttt_features(self, tokens: jax.Array, features: jax.Array, passes: int) -> jax.Array:
         """Training-time test: predicted features [U, B, T, D] of U passes over a teacher-forced sequence.

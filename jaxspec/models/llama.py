@@ -24,8 +24,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
-from jaxspec.models.cache_attention import cache_attention, reads_cache_in_place
+from jaxspec.models.cache_attention import cache_attention
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.kernel_plan import XLA_PLAN, KernelPlan
 from jaxspec.models.kv_cache import KVCache
 from jaxspec.models.panel_matmul import PanelWeight, dense, table_matmul
 from jaxspec.models.sharding import Placement, TensorParallelLayout
@@ -35,8 +36,6 @@ LAYER_WEIGHTS = (
     "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
 )
 LAYER_BIASES = ("bq", "bk", "bv")
-# cached attention contracts k/v in their cache layout for at most this many kv heads (see `attention`)
-BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 
 
 @jax.tree_util.register_dataclass
@@ -307,16 +306,17 @@ class Llama(nnx.Module):
         """tokens [B, T] -> hidden [B, T, D]."""
         return jnp.take(self.embed.value, tokens, axis=0)
 
-    def unembed(self, hidden: jax.Array, table_head: bool = False) -> jax.Array:
-        """Final norm + LM head: hidden [B, T, D] -> logits [B, T, V] (fp32). `table_head`: the tied embedding
-        is read in place by `jaxspec.models.panel_matmul.table_matmul` (XLA:CPU, float32, one device: an engine whose
-        weights are panels), every logit the same bits whatever B·T (docs/design.md, "Matmuls on XLA:CPU")."""
+    def unembed(self, hidden: jax.Array, kernels: KernelPlan = XLA_PLAN) -> jax.Array:
+        """Final norm + LM head: hidden [B, T, D] -> logits [B, T, V] (fp32). With `kernels.table_head` the tied
+        embedding is read in place by `jaxspec.models.panel_matmul.table_matmul` (XLA:CPU, float32, one device),
+        every logit the same bits whatever B·T (docs/design.md, "Matmuls on XLA:CPU")."""
         h = rms_norm(hidden, self.final_norm.value, self.config.rms_norm_eps)
         b, t, d = h.shape
         rows = h.reshape(b * t, d)  # [B·T, D]
-        if table_head:
+        if kernels.table_head:
             if not self.config.tie_embeddings:
-                raise ValueError(f"{self.config.name}: table_head needs a tied embedding (this model has an lm_head)")
+                raise ValueError(f"{self.config.name}: the table head needs a tied embedding (this model has an "
+                                 f"lm_head)")
             logits = table_matmul(rows, self.embed.value)  # [B·T, V]
             return logits.reshape(b, t, -1)  # [B, T, V]
         # a matmul of rows [B·T, D] with the embedding transposed ([V, D] -> [D, V]): at B·T = 1 XLA:CPU fuses
@@ -424,43 +424,49 @@ class Llama(nnx.Module):
     def forward_cached(self, inputs: StepInputs, cache: KVCache, window: int,
                        logits_at: jax.Array | None = None,
                        layers: tuple[dict, ...] | None = None,
-                       mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                       mask: jax.Array | None = None,
+                       kernels: KernelPlan = XLA_PLAN) -> tuple[jax.Array, KVCache]:
         """Write T new tokens per row into the cache and return their logits.
 
         Writes positions start..start+T-1 of each row's slot (lengths are NOT changed: the
         caller commits), attends over cache positions [0, window) masked by `window_mask`.
         `logits_at` [B, J] optionally selects which of the T positions to unembed; `layers`
         optionally supplies per-layer weights (see `serving_split`); `mask` [B, T, W] replaces
-        `window_mask(inputs, window)` (a draft tree's level calls: `block_window_mask`).
+        `window_mask(inputs, window)` (a draft tree's level calls: `block_window_mask`); `kernels` the forms
+        attention and the head take (jaxspec.models.kernel_plan).
         Returns logits [B, T or J, V] (fp32) and the updated cache.
         """
-        hidden, cache = self.forward_cached_hidden(inputs, cache, window, layers=layers, mask=mask)
+        hidden, cache = self.forward_cached_hidden(inputs, cache, window, layers=layers, mask=mask, kernels=kernels)
         if logits_at is not None:
             # hidden: [B, T, D] -> [B, J, D]
             hidden = jnp.take_along_axis(hidden, logits_at[:, :, None], axis=1)
-        return self.unembed(hidden), cache
+        return self.unembed(hidden, kernels), cache
 
     def forward_cached_hidden(self, inputs: StepInputs, cache: KVCache, window: int,
                               layers: tuple[dict, ...] | None = None,
                               embeds: jax.Array | None = None,
-                              mask: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                              mask: jax.Array | None = None,
+                              kernels: KernelPlan = XLA_PLAN) -> tuple[jax.Array, KVCache]:
         """`forward_cached` up to the last hidden state [B, T, D] (before the final norm: the feature a
         feature draft reads). `embeds` [B, T, D] replaces the token embedding as the first layer's input;
         `mask` [B, T, W] the window mask, as in `forward_cached`.
         The layers are unrolled (one in-place cache buffer per layer)."""
-        hidden, _, cache = self._forward_cached(inputs, cache, window, layers, embeds, mask, ())
+        hidden, _, cache = self._forward_cached(inputs, cache, window, layers, embeds, mask, (), kernels)
         return hidden, cache
 
     def forward_cached_features(self, inputs: StepInputs, cache: KVCache, window: int,
                                 feature_layers: tuple[int, ...],
-                                layers: tuple[dict, ...] | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+                                layers: tuple[dict, ...] | None = None,
+                                kernels: KernelPlan = XLA_PLAN) -> tuple[jax.Array, jax.Array, KVCache]:
         """`forward_cached_hidden` that also returns the hidden states after each layer count in
         `feature_layers` (1 .. L), concatenated: (hidden [B, T, D], features [B, T, n·D], cache)."""
-        hidden, collected, cache = self._forward_cached(inputs, cache, window, layers, None, None, feature_layers)
+        hidden, collected, cache = self._forward_cached(inputs, cache, window, layers, None, None, feature_layers,
+                                                        kernels)
         return hidden, jnp.concatenate(collected, axis=-1), cache
 
     def _forward_cached(self, inputs: StepInputs, cache: KVCache, window: int, layers, embeds, mask,
-                        collect: tuple[int, ...]) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
+                        collect: tuple[int, ...],
+                        kernels: KernelPlan) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
         if window > cache.max_len:
             raise ValueError(f"attention window {window} exceeds cache max_len {cache.max_len}")
         b, t = inputs.tokens.shape
@@ -472,14 +478,9 @@ class Llama(nnx.Module):
             stacked = self._layer_params()
             layers = tuple({name: w[i] for name, w in stacked.items()} for i in range(self.config.num_layers))
 
-        # XLA:CPU, one device, fp32: a kernel that reads each row's window in place (jaxspec/models/cache_attention.py);
-        # otherwise the XLA form over the window: few kv heads on an unsplit layout (P = 1) on XLA:CPU contract
-        # in the cache layout, where that was measured faster (see `attention`); GPUs and TPUs keep the grouped
-        # einsum (their attention reads the window in place and is bandwidth-bound)
-        in_place = reads_cache_in_place(cache.k[0], t)
-        groups = layers[0]["wqkv"].shape[1] if "wqkv" in layers[0] else 1
-        block_diagonal = (groups == 1 and cache.k[0].shape[2] <= BLOCK_DIAGONAL_MAX_KV_HEADS
-                          and jax.default_backend() == "cpu")
+        # the attention form of the kernel plan for T new tokens a row (jaxspec.models.kernel_plan): a kernel that
+        # reads each row's window in place, or the XLA form over the gathered window
+        form = kernels.attention_form(t)
 
         def attend(index, q, k, v, kv):
             ks, vs = kv
@@ -489,10 +490,12 @@ class Llama(nnx.Module):
             cv = vs[index].at[slots, write_pos].set(v.astype(vs[index].dtype), mode="drop")
             ks = ks[:index] + (ck,) + ks[index + 1:]
             vs = vs[:index] + (cv,) + vs[index + 1:]
-            if in_place:  # out: [B, T, N, H] from positions [0, W) of each row's slot, read where they lie
+            if form == "cpu-cache-kernel":  # out: [B, T, N, H] from positions [0, W) of each row's slot, in place
                 return cache_attention(q, ck, cv, inputs.slot_ids, mask), (ks, vs)
+            if form != "xla":
+                raise ValueError(f"attention form {form!r} is not wired into forward_cached")
             kw, vw = ck[inputs.slot_ids, :window], cv[inputs.slot_ids, :window]  # [B, W, G, H]
-            return attention(q, kw, vw, mask, block_diagonal), (ks, vs)
+            return attention(q, kw, vw, mask, kernels.xla_block_diagonal), (ks, vs)
 
         x = self.embed_tokens(inputs.tokens) if embeds is None else embeds  # [B, T, D]
         x, (ks, vs), collected = self._run_layers(x, positions, attend, (cache.k, cache.v), layers, collect)

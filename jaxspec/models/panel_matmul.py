@@ -8,10 +8,10 @@ reads each panel once per call for all rows, so 9 rows cost about 1.2× one row,
 the same order whatever the number of rows (a verify step's logits are bitwise the plain step's for the same
 context).
 
-Serving weights are packed where they are placed (`jaxspec.models.sharding.Placement(panels=True)`): XLA:CPU, float32,
-one device (`uses_panel_weights`); the layers then call `dense`, which takes either form. The LM head of a tied
-embedding needs no packing: `table_matmul` multiplies by the embedding [V, D] as it lies, 64 rows at a time
-(`jaxspec.models.llama.Llama.unembed` when the model's `table_head` is set).
+Serving weights are packed where they are placed (`jaxspec.models.sharding.Placement(panels=True)`) when the
+kernel plan says so (XLA:CPU, float32, one device: jaxspec.models.kernel_plan); the layers then call `dense`, which
+takes either form. The LM head of a tied embedding needs no packing: `table_matmul` multiplies by the embedding
+[V, D] as it lies, 64 rows at a time (`jaxspec.models.llama.Llama.unembed` with the plan's `cpu-table` head).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models import _panel_matmul  # built by setup.py from jaxspec/models/csrc/panel_matmul.cc
-from jaxspec.models.cache_attention import kernels_enabled
 
 TARGET = "jaxspec_panel_matmul"
 TABLE_TARGET = "jaxspec_table_matmul"
@@ -59,10 +58,9 @@ class PanelWeight:
         return self.panels.dtype
 
 
-def uses_panel_weights(backend: str, dtype, device_count: int) -> bool:
-    """Whether serving weights are stored as panels: XLA:CPU, float32, on one device (a split weight keeps
-    XLA's layout, which the partitioner splits), and not inside `jaxspec.models.cache_attention.xla_form_only()`."""
-    return kernels_enabled() and backend == "cpu" and jnp.dtype(dtype) == jnp.float32 and device_count == 1
+def kernel_available() -> tuple[bool, str]:
+    """(whether the compiled kernel is importable here, why not)."""
+    return True, ""
 
 
 def pack_panels(weight: np.ndarray | jax.Array, contracted_dims: int = 1) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -120,4 +118,4 @@ def dense(x: jax.Array, weight: jax.Array | PanelWeight, spec: str) -> jax.Array
 
 
 __all__ = ["CONTRACTED_DIMS", "PANEL", "PanelWeight", "dense", "pack_panels", "panel_matmul", "table_matmul",
-           "unpack_panels", "uses_panel_weights"]
+           "unpack_panels", "kernel_available"]

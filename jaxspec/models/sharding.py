@@ -34,7 +34,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.panel_matmul import CONTRACTED_DIMS, PanelWeight, pack_panels, uses_panel_weights
+from jaxspec.models.kernel_plan import KernelPlan
+from jaxspec.models.panel_matmul import CONTRACTED_DIMS, PanelWeight, pack_panels
 
 DATA, MODEL = "data", "model"  # mesh axis names
 
@@ -167,10 +168,9 @@ class Placement:
         return self.put(value, param_spec(name, self.layout))
 
 
-def serving_placement(mesh: Mesh, layout: TensorParallelLayout, dtype) -> Placement:
-    """The placement of a model's serving weights of `dtype` on `mesh`: panels where `uses_panel_weights`."""
-    backend = mesh.devices.flat[0].platform
-    return Placement(mesh, layout, panels=uses_panel_weights(backend, dtype, mesh.size))
+def serving_placement(mesh: Mesh, layout: TensorParallelLayout, kernels: KernelPlan) -> Placement:
+    """The placement of a model's serving weights on `mesh`: column panels where the kernel plan says so."""
+    return Placement(mesh, layout, panels=kernels.panels)
 
 
 __all__ = ["DATA", "MODEL", "Placement", "ShardingError", "TensorParallelLayout", "cache_spec",

@@ -74,7 +74,7 @@ class CostModelError(ValueError):
 class ProfileKey:
     """What a profile is valid for: device kind, model, draft (or proposer), the menu and the dtype of
     weights and KV cache (a bfloat16 step costs differently from a float32 one), the device mesh and how
-    the steps attend (`EngineAPI.attention`: the XLA:CPU cache kernel changes what a window costs)."""
+    the steps attend (`EngineAPI.kernels.attention`: the XLA:CPU cache kernel changes what a window costs)."""
 
     device_kind: str
     model: str
@@ -84,7 +84,7 @@ class ProfileKey:
     window_buckets: tuple[int, ...]
     dtype: str = "float32"  # profiles written before this field were all float32
     mesh: str = "data=1,model=1"  # jaxspec.mesh.MeshSpec; profiles written before this field were unsharded
-    attention: str = "xla"  # EngineAPI.attention; profiles written before this field attended in the XLA form
+    attention: str = "xla"  # EngineAPI.kernels.attention; profiles written before this field attended in the XLA form
 
     def __post_init__(self):
         for name in ("batch_buckets", "k_menu", "window_buckets"):

@@ -94,7 +94,8 @@ def _generate(args: argparse.Namespace, engine_args: EngineArgs, params: Samplin
                  tokens_per_step=len(result.token_ids) / max(len(result.steps), 1),
                  tokens_per_s=len(result.token_ids) / max(stats["total_s"] or 0.0, 1e-9),
                  setup_s=ready - start, model=runtime.model_name, proposer=engine_args.proposer,
-                 policy=runtime.policy.name, finish_reason=result.finish_reason.value)
+                 policy=runtime.policy.name, kernels=runtime.engine.kernels.to_json(),
+                 finish_reason=result.finish_reason.value)
     log = getattr(runtime.policy, "log", None)
     if log is not None:
         stats["decisions"] = log.to_dicts()

@@ -78,13 +78,16 @@ def assemble_engine(engine_args: EngineArgs, menu: Menu,
     """(engine, tokenizer, model name) for `engine_args` on `menu`; nothing compiled yet.
     `before_proposer(tokenizer, limits)` runs once the target is loaded, before the draft is."""
     mesh = engine_args.mesh_spec()
-    built = build_model(engine_args.model, dtype=engine_args.dtype, mesh=mesh)
+    kernels = engine_args.kernel_choice()
+    built = build_model(engine_args.model, dtype=engine_args.dtype, mesh=mesh, kernels=kernels)
     tokenizer = resolve_tokenizer(engine_args.tokenizer, built.tokenizer, built.name)
     if before_proposer is not None:
         before_proposer(tokenizer, RequestLimits(max_len=menu.max_len, vocab_size=built.model.config.vocab_size,
                                                  stop_strings_allowed=True))
-    proposer = build_proposer(engine_args.proposer, built.model, engine_args.draft, ngram=engine_args.ngram, mesh=mesh)
-    engine = Engine(built.model, proposer, menu, mesh=mesh)
+    proposer = build_proposer(engine_args.proposer, built.model, engine_args.draft, ngram=engine_args.ngram, mesh=mesh,
+                              kernels=kernels)
+    engine = Engine(built.model, proposer, menu, mesh=mesh, kernels=kernels)
+    print(f"kernels: {engine.kernels.describe()}", file=sys.stderr)
     if mesh.size > 1:
         print(f"mesh {mesh}: {mesh.size} {engine.mesh.devices.flat[0].platform} devices", file=sys.stderr)
     for note in engine.sharding_notes:  # what was replicated or padded to fit the mesh (jaxspec.models.sharding)

@@ -22,12 +22,13 @@ TRANSPORT_LIMIT_FACTOR = 2  # gRPC's message limit is this × max_message_bytes:
 class ServeConfig:
     """Everything `jaxspec serve` takes; jaxspec/configs/serving.yaml and `--config` files use these keys.
 
-    model / proposer / draft / policy / menu / tokenizer / dtype / mesh:  as for every engine command
+    model / proposer / draft / policy / menu / tokenizer / dtype / mesh / kernels:  as for every engine command
         (jaxspec.engine.args.EngineArgs, which `engine_args()` returns); policy None = goodput with a
         proposer, else none; menu: a jaxspec/configs/engine.yaml name or a YAML path; tokenizer: 'model' (the
         model's own), or a toy one for random-weight presets: 'ascii', 'bytes'; dtype: 'auto' (float32 on
         CPU, bfloat16 on GPU/TPU), 'float32', 'bfloat16'; mesh: 'data=D,model=M' (None: the menu's, else 1,1);
-        tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only)
+        tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only); kernels: 'auto' or
+        'xla' (None: $JAXSPEC_KERNELS, else auto)
     metrics_port:       None = no metrics endpoint; 0 = an ephemeral port
     max_tokens_limit:   the largest max_tokens a request may ask for; default_max_tokens when it asks none
     max_queue:          requests waiting for a slot before calls get RESOURCE_EXHAUSTED
@@ -51,6 +52,7 @@ class ServeConfig:
     dtype: str = "auto"
     mesh: str | None = None
     tree: str | None = None
+    kernels: str | None = None
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
@@ -99,7 +101,7 @@ class ServeConfig:
         """The engine this config names (ValueError for a bad proposer, tokenizer or policy)."""
         return EngineArgs(model=self.model, proposer=self.proposer, draft=self.draft, policy=self.policy,
                           menu=self.menu, tokenizer=self.tokenizer, dtype=self.dtype, mesh=self.mesh,
-                          tree=self.tree)
+                          tree=self.tree, kernels=self.kernels)
 
 
 def load_serve_config(path: str | Path | None = None, **overrides) -> ServeConfig:

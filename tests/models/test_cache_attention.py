@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as PS
 
 from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu, StepKey
-from jaxspec.models.cache_attention import MAX_STEP_TOKENS, TARGET, cache_attention, reads_cache_in_place, xla_form_only
+from jaxspec.models.cache_attention import MAX_STEP_TOKENS, TARGET, cache_attention
 from jaxspec.models.config import TINY
+from jaxspec.models.kernel_plan import resolve_kernel_plan
 from jaxspec.models.llama import attention
 from tests.conftest import decode, random_prompts
 
@@ -86,32 +85,32 @@ def test_a_slot_id_outside_the_cache_is_an_error():
         jax.block_until_ready(jax.jit(cache_attention)(q, k, v, jnp.array([7], jnp.int32), mask))
 
 
-def test_used_exactly_where_it_applies():
-    cache = jnp.zeros((S1, M, 3, 64), jnp.float32)
-    assert reads_cache_in_place(cache, 1) and reads_cache_in_place(cache, MAX_STEP_TOKENS)
-    assert not reads_cache_in_place(cache, MAX_STEP_TOKENS + 1)  # a prefill chunk: XLA's dot
-    assert not reads_cache_in_place(cache.astype(jnp.bfloat16), 1)
-    with xla_form_only():
-        assert not reads_cache_in_place(cache, 1)
-    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-    split = jax.device_put(jnp.zeros((4, M, 3, 64), jnp.float32), NamedSharding(mesh, PS("data")))
-    seen = []
-    jax.jit(lambda c: seen.append(reads_cache_in_place(c, 1)) or c)(split)
-    assert seen == [False]  # a cache split over devices keeps the XLA form
+def test_the_plan_takes_the_kernel_exactly_where_it_applies():
+    def plan(**changes):
+        args = dict(backend="cpu", dtype="float32", mesh_size=1, cache_kv_heads=3, tensor_parallel=False)
+        return resolve_kernel_plan(TINY, **{**args, **changes})
+
+    assert plan().attention == "cpu-cache-kernel"
+    assert plan().attention_form(1) == plan().attention_form(MAX_STEP_TOKENS) == "cpu-cache-kernel"
+    assert plan().attention_form(MAX_STEP_TOKENS + 1) == "xla"  # a prefill chunk: XLA's dot
+    assert plan(dtype="bfloat16").attention == "xla" and "float32" in plan(dtype="bfloat16").notes[0]
+    assert plan(mesh_size=2).attention == "xla"  # a cache split over devices keeps the XLA form
+    assert plan(choice="xla").attention == "xla"
+    assert plan(backend="tpu").attention == "xla"
 
 
 def test_an_engine_with_the_kernel_decodes_as_one_with_the_xla_form(tiny_model):
     menu = Menu(num_slots=4, max_len=96, batch_buckets=(4,), k_menu=(0,), window_buckets=(96,), prefill_buckets=(32,))
     prompts = random_prompts((5, 30, 12, 21), TINY.vocab_size, seed=4)
     engine = Engine(tiny_model, None, menu)
-    with xla_form_only():
-        reference = Engine(tiny_model, None, menu)
-        engine.warmup(progress=False)  # each engine compiles in the form it chose when built, wherever
+    reference = Engine(tiny_model, None, menu, kernels="xla")
+    engine.warmup(progress=False)
     reference.warmup(progress=False)
-    assert (engine.attention, reference.attention) == ("cache-kernel", "xla")  # their cost profiles differ
+    attention = (engine.kernels.attention, reference.kernels.attention)
+    assert attention == ("cpu-cache-kernel", "xla")  # their cost profiles differ
     step = StepKey(4, 0, 96)
-    assert engine._executable(step).as_text().count(TARGET) == TINY.num_layers  # one call per layer
-    assert reference._executable(step).as_text().count(TARGET) == 0
+    assert engine.compiled_text(step).count(TARGET) == TINY.num_layers  # one call per layer
+    assert reference.compiled_text(step).count(TARGET) == 0
     with_kernel, _ = decode(engine, prompts, 0, 24)
     with_xla_form, _ = decode(reference, prompts, 0, 24)
     assert with_kernel == with_xla_form

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.models.cache_attention import xla_form_only
 from jaxspec.models.config import TINY, TINY_QWEN
+from jaxspec.models.kernel_plan import XLA_PLAN, KernelPlan, resolve_kernel_plan
 from jaxspec.models.llama import random_model, serving_split
 from jaxspec.models.panel_matmul import (
     PANEL,
@@ -23,7 +23,6 @@ from jaxspec.models.panel_matmul import (
     panel_matmul,
     table_matmul,
     unpack_panels,
-    uses_panel_weights,
 )
 from jaxspec.models.sharding import Placement
 
@@ -91,12 +90,14 @@ def test_bad_shapes_are_refused():
 
 
 def test_panels_only_on_xla_cpu_float32_one_device():
-    assert uses_panel_weights("cpu", "float32", 1)
-    assert not uses_panel_weights("cpu", "bfloat16", 1)
-    assert not uses_panel_weights("cpu", "float32", 2)
-    assert not uses_panel_weights("gpu", "float32", 1)
-    with xla_form_only():
-        assert not uses_panel_weights("cpu", "float32", 1)
+    def plan(backend="cpu", dtype="float32", mesh_size=1, choice="auto"):
+        return resolve_kernel_plan(TINY, backend, dtype, mesh_size, TINY.num_kv_heads, False, choice)
+
+    assert plan().panels
+    assert not plan(dtype="bfloat16").panels
+    assert not plan(mesh_size=2).panels
+    assert not plan(backend="gpu").panels
+    assert not plan(choice="xla").panels
 
 
 @pytest.mark.parametrize("config", [TINY, TINY_QWEN], ids=["llama", "qwen-bias"])
@@ -154,12 +155,12 @@ def test_the_table_head_computes_the_xla_head():
     model = random_model(TINY.replace(name="table-head", tie_embeddings=True), seed=11)
     assert model.config.tie_embeddings
     hidden = jnp.asarray(np.random.default_rng(12).standard_normal((2, 3, TINY.hidden_size)).astype(np.float32))
-    got = np.asarray(jax.jit(lambda h: model.unembed(h, table_head=True))(hidden))  # [2, 3, V]
-    ref = np.asarray(jax.jit(lambda h: model.unembed(h))(hidden))
+    got = np.asarray(jax.jit(lambda h: model.unembed(h, KernelPlan(lm_head="cpu-table")))(hidden))  # [2, 3, V]
+    ref = np.asarray(jax.jit(lambda h: model.unembed(h, XLA_PLAN))(hidden))
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
 def test_the_table_head_needs_a_tied_embedding():
     model = random_model(TINY.replace(name="untied-head", tie_embeddings=False), seed=13)
     with pytest.raises(ValueError, match="needs a tied embedding"):
-        model.unembed(jnp.ones((1, 1, TINY.hidden_size), jnp.float32), table_head=True)
+        model.unembed(jnp.ones((1, 1, TINY.hidden_size), jnp.float32), KernelPlan(lm_head="cpu-table"))

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from jaxspec.bench import profile_cmd
 from jaxspec.engine import profiler
 from jaxspec.engine.fake import FakeEngine
 from jaxspec.menu import Menu, step_shape
@@ -118,10 +119,10 @@ def test_cli_run_saves_a_matching_profile(tmp_path, capsys, monkeypatch):
         return TimedFakeEngine(clock, linear_cost())
 
     parser = argparse.ArgumentParser()
-    profiler.add_arguments(parser)
+    profile_cmd.add_arguments(parser)
     args = parser.parse_args(["--proposer", "ngram", "--k-menu", "0,2,4", "--repeats", "2", "--no-progress",
                               "--out", str(tmp_path / "p.json"), "--json"])
-    assert profiler.run(args, builder=builder) == 0
+    assert profile_cmd.run(args, builder=builder) == 0
     assert seen[0].k_menu == (0, 2, 4) and seen[0].proposer == "ngram" and seen[0].menu is None
     assert (tmp_path / "p.json").exists()
     printed = json.loads(capsys.readouterr().out)
@@ -129,7 +130,7 @@ def test_cli_run_saves_a_matching_profile(tmp_path, capsys, monkeypatch):
     # saved under the default name it is found by key
     monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(tmp_path / "profiles"))
     args = parser.parse_args(["--repeats", "1", "--no-progress"])
-    assert profiler.run(args, builder=builder) == 0
+    assert profile_cmd.run(args, builder=builder) == 0
     engine = TimedFakeEngine(clock, linear_cost())
     assert load_matching_profile(profiler.profile_key(engine)) is not None
     assert "B=4" in capsys.readouterr().out

@@ -7,12 +7,14 @@ never baked-in constants. All methods are traced inside the engine's compiled fu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.menu import TreeEnvelope
+from jaxspec.models.kernel_plan import XLA_PLAN, KernelPlan
 from jaxspec.models.llama import StepInputs
 from jaxspec.models.sharding import Placement
 from jaxspec.types import Proposals, RowParams, TreeProposals
@@ -51,6 +53,15 @@ class Proposer:
     #: before the final norm); empty: none. If any, the engine hands every target pass's features to
     #: `record_features`, k = 0 steps and prefill included.
     feature_layers: tuple[int, ...] = ()
+    #: The forms the proposer's own model traces with (jaxspec.models.kernel_plan); the engine sets its plan
+    #: with `with_kernels`.
+    kernels: KernelPlan = XLA_PLAN
+
+    def with_kernels(self, plan: KernelPlan) -> Proposer:
+        """A copy of this proposer that traces its model with `plan`."""
+        clone = copy.copy(self)
+        object.__setattr__(clone, "kernels", plan)  # frozen-dataclass proposers too: the clone is not shared yet
+        return clone
 
     def init_state(self, num_slots: int, max_len: int):
         """Device state for `num_slots` slots (+ scratch). Default: none."""

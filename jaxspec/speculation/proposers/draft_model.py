@@ -72,7 +72,8 @@ class DraftModelProposer(Proposer):
 
     def prefill(self, params, state: KVCache, inputs: StepInputs, n_valid, window):
         draft, layers = self._model(params)
-        _, state = draft.forward_cached(inputs, state, window, logits_at=(n_valid - 1)[:, None], layers=layers)
+        _, state = draft.forward_cached(inputs, state, window, logits_at=(n_valid - 1)[:, None], layers=layers,
+                                         kernels=self.kernels)
         return state.with_lengths(inputs.slot_ids, inputs.start + n_valid)
 
     def _catch_up(self, draft: Llama, layers, state: KVCache, ctx: StepContext, window: int):
@@ -85,7 +86,7 @@ class DraftModelProposer(Proposer):
         chunk = ctx.history[ctx.slot_ids[:, None], idx]
         count = ctx.start - dl + 1  # [B] ∈ {1, 2}
         logits, state = draft.forward_cached(chain_inputs(chunk, ctx.slot_ids, dl), state, window,
-                                             logits_at=(count - 1)[:, None], layers=layers)
+                                             logits_at=(count - 1)[:, None], layers=layers, kernels=self.kernels)
         return logits[:, 0, :], state
 
     def propose(self, params, state: KVCache, ctx: StepContext, k: int, window: int,
@@ -107,7 +108,8 @@ class DraftModelProposer(Proposer):
             state, token = carry
             # feed d_i at position start + i, draw d_{i+1}
             inputs = chain_inputs(token[:, None], ctx.slot_ids, ctx.start + i)
-            logits, state = draft.forward_cached(inputs, state, window, layers=layers)  # [B, 1, V]
+            logits, state = draft.forward_cached(inputs, state, window, layers=layers,
+                                                 kernels=self.kernels)  # [B, 1, V]
             nxt, q = draw(logits[:, 0, :], i)
             return (state, nxt), (nxt, q)
 
@@ -156,7 +158,8 @@ class DraftModelProposer(Proposer):
             inputs = StepInputs(token, ctx.slot_ids, write_start, jnp.full((b, a), j - 1 - first_slot, jnp.int32),
                                 jnp.broadcast_to(jnp.eye(a, dtype=bool), (b, a, a)))
             mask = block_window_mask(frontier_anc, ctx.start + 1, window)  # [B, A, W]
-            logits, state = draft.forward_cached(inputs, state, window, layers=layers, mask=mask)  # [B, A, V]
+            logits, state = draft.forward_cached(inputs, state, window, layers=layers, mask=mask,
+                                                 kernels=self.kernels)  # [B, A, V]
             child_score, child_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), a)  # [B, A, A]
             child_score = (score[:, :, None] + child_score).reshape(b, a * a)  # [B, A·A] path log-probabilities
             child_token = child_token.reshape(b, a * a)  # [B, A·A]

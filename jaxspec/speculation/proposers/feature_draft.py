@@ -96,7 +96,7 @@ class FeatureDraftProposer(Proposer):
         draft, layers = self._model(params)
         positions = inputs.start[:, None] + inputs.depth  # [B, T]
         _, cache = draft.forward_features(inputs, self._previous_features(state, inputs.slot_ids, positions),
-                                          state.cache, window, layers=layers)
+                                          state.cache, window, layers=layers, kernels=self.kernels)
         return dataclasses.replace(state, cache=cache.with_lengths(inputs.slot_ids, inputs.start + n_valid))
 
     def propose(self, params, state: FeatureDraftState, ctx: StepContext, k: int, window: int,
@@ -107,7 +107,7 @@ class FeatureDraftProposer(Proposer):
         # entry s: the pending token with the target's feature of s-1
         prev = self._previous_features(state, ctx.slot_ids, ctx.start[:, None])  # [B, 1, n·D]
         feature, cache = draft.forward_features(chain_inputs(pending[:, None], ctx.slot_ids, ctx.start), prev,
-                                                state.cache, window, layers=layers)  # [B, 1, D]
+                                                state.cache, window, layers=layers, kernels=self.kernels)  # [B, 1, D]
 
         def draw(feature, i):
             # token: [B] drawn from q = warp(unembed(feature)) [B, V]
@@ -120,7 +120,8 @@ class FeatureDraftProposer(Proposer):
             cache, token, feature = carry
             # entry s+i: d_i with the draft's own predicted feature of s+i-1; draw d_{i+1}
             inputs = chain_inputs(token[:, None], ctx.slot_ids, ctx.start + i)
-            feature, cache = draft.forward_features(inputs, feature, cache, window, layers=layers)  # [B, 1, D]
+            feature, cache = draft.forward_features(inputs, feature, cache, window, layers=layers,
+                                                    kernels=self.kernels)  # [B, 1, D]
             nxt, q = draw(feature, i)
             return (cache, nxt, feature), (nxt, q)
 
@@ -141,5 +142,5 @@ class FeatureDraftProposer(Proposer):
         tokens = ctx.history[ctx.slot_ids[:, None], jnp.clip(hist_pos, 0, m - 1)]  # [B, k]
         inputs = chain_inputs(tokens, ctx.slot_ids, ctx.start + 1)
         _, cache = draft.forward_features(inputs, self._previous_features(state, ctx.slot_ids, hist_pos),
-                                          state.cache, window, layers=layers)
+                                          state.cache, window, layers=layers, kernels=self.kernels)
         return dataclasses.replace(state, cache=cache.with_lengths(ctx.slot_ids, ctx.start + 1 + n_accepted))

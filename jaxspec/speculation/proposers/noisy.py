@@ -41,6 +41,11 @@ class NoisyProposer(Proposer):
         self.tracks_context, self.in_step_catch_up = inner.tracks_context, inner.in_step_catch_up
         self.feature_layers = inner.feature_layers
 
+    def with_kernels(self, plan):
+        clone = super().with_kernels(plan)
+        object.__setattr__(clone, "inner", self.inner.with_kernels(plan))
+        return clone
+
     def init_state(self, num_slots, max_len):
         return self.inner.init_state(num_slots, max_len)
 
