@@ -89,7 +89,7 @@ def attention_limits(*, platform: str, dtype, head_dim: int, num_heads: int, num
         return f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"
     if not 1 <= block_tokens <= MAX_BLOCK_TOKENS:
         return f"a block of {block_tokens} tokens per row is outside 1..{MAX_BLOCK_TOKENS} (the mask's bits per row)"
-    if page_size < 1 or page_size & (page_size - 1):
+    if not _is_pow2(page_size):
         return f"page size {page_size} is not a power of two"
     if max_len is not None and max_len % page_size:
         return f"cache max_len {max_len} is not a multiple of the page size {page_size}"
@@ -102,8 +102,8 @@ def default_blocks(batch: int, kv_heads: int, query_rows: int, window_pages: int
     Not tuned on a GPU yet."""
     rows = min(64, max(MIN_DOT, _next_pow2(query_rows)))
     pages = max(1, 64 // page_size)
-    programs = batch * kv_heads * -(-query_rows // rows)
-    splits = max(1, min(-(-window_pages // pages), 128 // max(programs, 1)))
+    programs = batch * kv_heads * _cdiv(query_rows, rows)
+    splits = max(1, min(_cdiv(window_pages, pages), 128 // programs))
     return KernelBlocks(rows, pages, splits)
 
 
@@ -119,7 +119,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     b, t, n, h = q.shape
     num_pages, page_size, g, _ = k_pages.shape
     u, window = mask.block_mask.shape[2], mask.window
-    window_pages = -(-window // page_size)
+    window_pages = _cdiv(window, page_size)
     _check(q, k_pages, v_pages, block_table, mask, window_pages)
     reason = attention_limits(platform="gpu", dtype=q.dtype, head_dim=h, num_heads=n, num_kv_heads=g,
                               block_tokens=u, page_size=page_size)
@@ -127,13 +127,13 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
         raise ValueError(reason)
     r = n // g
     blocks = blocks or default_blocks(b, g, t * r, window_pages, page_size)
-    if blocks.rows < MIN_DOT or blocks.rows & (blocks.rows - 1) or blocks.pages < 1 or blocks.pages & (blocks.pages - 1):
-        raise ValueError(f"{blocks}: rows must be a power of two ≥ {MIN_DOT}, pages a power of two")
+    if blocks.rows < MIN_DOT or not _is_pow2(blocks.rows) or not _is_pow2(blocks.pages) or blocks.splits < 1:
+        raise ValueError(f"{blocks}: rows must be a power of two ≥ {MIN_DOT}, pages a power of two, splits ≥ 1")
     if blocks.pages * page_size < MIN_DOT:
         raise ValueError(f"{blocks.pages} pages of {page_size} positions is a compute block under {MIN_DOT} keys")
 
     rows = t * r  # query rows per kv head: row t·R + i is query token t, head g·R + i
-    rows_padded = -(-rows // blocks.rows) * blocks.rows
+    rows_padded = _cdiv(rows, blocks.rows) * blocks.rows
     # q_rows: [B, T, N, H] -> [B, T, G, R, H] -> [B, G, T·R, H] -> pad to [B, G, rows_padded, H]
     q_rows = q.reshape(b, t, g, r, h).transpose(0, 2, 1, 3, 4).reshape(b, g, rows, h)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows_padded - rows), (0, 0)))
@@ -141,7 +141,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     # span: [B, 2] = (block start, end of what any query of the row may see)
     end = jnp.minimum(mask.block_start + u, window).astype(jnp.int32)
     span = jnp.stack([mask.block_start.astype(jnp.int32), end], axis=1)
-    pages_per_split = -(-(-(-window_pages // blocks.splits)) // blocks.pages) * blocks.pages
+    pages_per_split = _cdiv(_cdiv(window_pages, blocks.splits), blocks.pages) * blocks.pages
     # table: [B, ceil(W/P)] -> [B, splits · pages_per_split], padded with page 0 (read past `end` only, masked)
     table = jnp.pad(block_table.astype(jnp.int32), ((0, 0), (0, blocks.splits * pages_per_split - window_pages)))
 
@@ -189,7 +189,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     einsums of `models.llama.attention` (same operations, same rounding) -> [B, T, N, H]."""
     b, t, n, h = q.shape
     _, page_size, g, _ = k_pages.shape
-    window_pages = -(-mask.window // page_size)
+    window_pages = _cdiv(mask.window, page_size)
     _check(q, k_pages, v_pages, block_table, mask, window_pages)
     # kw, vw: [B, ceil(W/P), P, G, H] -> [B, W, G, H]
     kw = k_pages[block_table].reshape(b, window_pages * page_size, g, h)[:, :mask.window]
@@ -216,7 +216,7 @@ def slot_block_table(slot_ids: jax.Array, max_len: int, window: int, page_size: 
     slot_ids[b]·M/P + i of `as_pages(cache, P)`."""
     # slot_ids: [B] -> [B, ceil(W/P)]
     first = slot_ids.astype(jnp.int32)[:, None] * (max_len // page_size)
-    return first + jnp.arange(-(-window // page_size), dtype=jnp.int32)[None, :]
+    return first + jnp.arange(_cdiv(window, page_size), dtype=jnp.int32)[None, :]
 
 
 def slot_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, slot_ids: jax.Array, mask: WindowMask,
@@ -252,7 +252,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, table_ref, span_ref, words_ref, o_ref
         pages = table_ref[pl.ds(page, pages_per_block)]  # [pages_per_block] int32
         k = k_ref[pages].reshape(block_keys, head_dim)  # [pages_per_block, P, H] -> [keys, H]
         v = v_ref[pages].reshape(block_keys, head_dim)  # [keys, H]
-        scores = pl.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, keys] f32, base-2 logits
+        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, keys] f32, base-2 logits
         position = page * page_size + jnp.arange(block_keys, dtype=jnp.int32)  # [keys]
         rel = position - block_start  # [keys] position within the block (< 0: history)
         bits = jnp.zeros(scores.shape, jnp.int32)  # [rows, keys]: the mask bit of (query, position) in bit 0
@@ -260,12 +260,14 @@ def _attention_kernel(q_ref, k_ref, v_ref, table_ref, span_ref, words_ref, o_ref
             shifted = jax.lax.shift_right_logical(word[:, None], jnp.bitwise_and(rel, _WORD_BITS - 1)[None, :])
             bits = bits | jnp.where((jax.lax.shift_right_arithmetic(rel, 5) == w)[None, :], shifted, 0)
         seen = (((bits & 1) == 1) | (rel < 0)[None, :]) & (position < end)[None, :]  # [rows, keys]
+        # positions past `end` (stale, or table padding) add exact zeros whatever they hold, NaN included
+        v = jnp.where((position < end)[:, None], v, jnp.zeros((), v.dtype))  # [keys, H]
         scores = jnp.where(seen, scores, _MASKED)
         m_next = jnp.maximum(m, scores.max(axis=1))  # [rows]
         correction = jnp.exp2(m - m_next)  # [rows]
         p = jnp.where(seen, jnp.exp2(scores - m_next[:, None]), 0.0)  # [rows, keys]
         l = correction * l + p.sum(axis=1)
-        o = correction[:, None] * o + pl.dot(p.astype(v.dtype), v, precision=precision)  # [rows, H]
+        o = correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [rows, H]
         return o, l, m_next
 
     rows = q.shape[0]
@@ -282,7 +284,7 @@ def _row_words(block_mask: jax.Array, r: int, rows_padded: int) -> jax.Array:
     """block_mask [B, T, U] bool -> [B, words, rows_padded] int32: bit u % 32 of word u // 32 of query row
     t·R + i (every i < R) is block_mask[b, t, u]; padding rows see no block position."""
     b, t, u = block_mask.shape
-    words = -(-u // _WORD_BITS)
+    words = _cdiv(u, _WORD_BITS)
     words = 1 << (words - 1).bit_length()  # a power of two (Triton)
     # bits: [B, T, U] -> [B, T, words, 32] uint32, summed over the 32 (disjoint bits: the sum is the or)
     bits = jnp.pad(block_mask, ((0, 0), (0, 0), (0, words * _WORD_BITS - u))).reshape(b, t, words, _WORD_BITS)
@@ -308,3 +310,11 @@ def _check(q, k_pages, v_pages, block_table, mask: WindowMask, window_pages: int
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
+
+
+def _is_pow2(x: int) -> bool:
+    return x >= 1 and not x & (x - 1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
