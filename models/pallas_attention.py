@@ -34,6 +34,8 @@ MAX_BLOCK_TOKENS = _WORD_BITS * MAX_BLOCK_WORDS
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MIN_DOT = 16
+# element offsets into a cache buffer must fit in int32 (the Triton lowering's index type; unverified on a GPU)
+MAX_CACHE_ELEMENTS = 2 ** 31 - 1
 # a masked score: finite, so a block a query sees nothing of keeps its running max and adds exact zeros
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
@@ -75,10 +77,12 @@ class KernelBlocks:
 
 
 def attention_limits(*, platform: str, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
-                     block_tokens: int, page_size: int, max_len: int | None = None) -> str | None:
+                     block_tokens: int, page_size: int, max_len: int | None = None,
+                     cache_elements: int = 0) -> str | None:
     """Why the kernel cannot take this shape, or None when it can. `platform`: 'gpu' (CUDA, ROCm), 'tpu' or
     'cpu' (a GPU kernel runs there only in interpret mode, for tests); `block_tokens`: U, the block mask's
-    width (T, or a draft tree level's block); `max_len`: M of a per-slot cache (`slot_attention`), if any."""
+    width (T, or a draft tree level's block); `max_len`: M of a per-slot cache (`slot_attention`), if any;
+    `cache_elements`: the size of one layer's key (or value) buffer."""
     if platform != "gpu":
         return f"the Pallas attention kernel is written for GPUs (Triton); on {platform} attention keeps the XLA form"
     if jnp.dtype(dtype) not in DTYPES:
@@ -93,6 +97,8 @@ def attention_limits(*, platform: str, dtype, head_dim: int, num_heads: int, num
         return f"page size {page_size} is not a power of two"
     if max_len is not None and max_len % page_size:
         return f"cache max_len {max_len} is not a multiple of the page size {page_size}"
+    if cache_elements > MAX_CACHE_ELEMENTS:
+        return f"a cache buffer of {cache_elements} elements is past int32 offsets ({MAX_CACHE_ELEMENTS})"
     return None
 
 
@@ -122,7 +128,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     window_pages = _cdiv(window, page_size)
     _check(q, k_pages, v_pages, block_table, mask, window_pages)
     reason = attention_limits(platform="gpu", dtype=q.dtype, head_dim=h, num_heads=n, num_kv_heads=g,
-                              block_tokens=u, page_size=page_size)
+                              block_tokens=u, page_size=page_size, cache_elements=k_pages.size)
     if reason:
         raise ValueError(reason)
     r = n // g

@@ -203,7 +203,7 @@ def test_limits_refuse_with_a_reason():
               page_size=16, max_len=1024)
     assert attention_limits(**ok) is None
     refusals = {"platform": "tpu", "dtype": jnp.float16, "head_dim": 96, "num_kv_heads": 5, "block_tokens": 129,
-                "page_size": 24, "max_len": 1000}
+                "page_size": 24, "max_len": 1000, "cache_elements": 2 ** 31}
     for key, value in refusals.items():
         reason = attention_limits(**{**ok, key: value})
         assert isinstance(reason, str) and reason, key
