@@ -5,9 +5,9 @@ over positions [0, W) of their sequence with grouped-query heads, reading keys a
 the cache: a paged cache `[num_pages, P, G, H]` and a block table `[B, pages_per_window]` that names the page
 holding each run of P window positions. Today's per-slot cache `[S+1, M, G, H]` is such a cache viewed as
 `[(S+1)·M/P, P, G, H]` (a free reshape) with the identity block table (`slot_block_table`); `slot_attention`
-takes it with the interface of `models.cache_attention.cache_attention`.
+takes it with the interface of `jaxspec.models.cache_attention.cache_attention`.
 
-The mask is the model's only mask shape (`models.llama.block_window_mask`): every position before a row's
+The mask is the model's only mask shape (`jaxspec.models.llama.block_window_mask`): every position before a row's
 block start (its history) plus a block mask over the U positions from there (`WindowMask`). The kernel gets
 it as the block start and one bit per (query row, block position), so it reads no [T, W] mask and skips the
 pages past the last position a row's queries can see. Docs: docs/design.md, "Attention on GPUs (Pallas)".
@@ -57,7 +57,7 @@ class WindowMask:
     window: int
 
     def dense(self) -> jax.Array:
-        """The same mask as [B, T, W] bool (the form `models.llama.attention` and `cache_attention` take)."""
+        """The same mask as [B, T, W] bool (the form `jaxspec.models.llama.attention` and `cache_attention` take)."""
         b, t, u = self.block_mask.shape
         rel = jnp.arange(self.window, dtype=jnp.int32)[None, :] - self.block_start[:, None]  # [B, W]
         idx = jnp.broadcast_to(jnp.clip(rel, 0, u - 1)[:, None, :], (b, t, self.window))  # [B, T, W]
@@ -192,7 +192,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_table: jax.Array,
                               mask: WindowMask) -> jax.Array:
     """The XLA form of `paged_attention`: gather each row's window through the block table, then the grouped
-    einsums of `models.llama.attention` (same operations, same rounding) -> [B, T, N, H]."""
+    einsums of `jaxspec.models.llama.attention` (same operations, same rounding) -> [B, T, N, H]."""
     b, t, n, h = q.shape
     _, page_size, g, _ = k_pages.shape
     window_pages = _cdiv(mask.window, page_size)

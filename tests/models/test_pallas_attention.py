@@ -1,4 +1,4 @@
-"""The Pallas attention kernel (models/pallas_attention.py), run in Pallas' interpreter on this CPU: the same
+"""The Pallas attention kernel (jaxspec/models/pallas_attention.py), run in Pallas' interpreter on this CPU: the same
 result as the XLA form over paged caches with shuffled block tables, chains and trees, GQA and windows that
 are not a multiple of the page, with NaN wherever a row may see nothing (unused pages, positions past the end);
 an off-by-one mask caught; the kernel lowering to one Triton call for CUDA (Triton's own compile to PTX needs a
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import attention, block_window_mask
-from models.pallas_attention import (
+from jaxspec.models.llama import attention, block_window_mask
+from jaxspec.models.pallas_attention import (
     KernelBlocks,
     WindowMask,
     as_pages,
@@ -127,7 +127,7 @@ def test_kernel_equals_the_xla_form(b, t, n, g, h, window, page, kind, dtype, bl
 
 
 def test_slot_attention_equals_the_models_xla_form():
-    """The per-slot cache through the identity block table equals `models.llama.attention` over
+    """The per-slot cache through the identity block table equals `jaxspec.models.llama.attention` over
     cache[slot_ids, :W] with `block_window_mask`: the form `forward_cached` uses today (in bf16, the GPU's)."""
     dtype = jnp.bfloat16
     rng = np.random.default_rng(3)
