@@ -20,6 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from benchmarks import load_test
 from serving.client import GenerationClient
 from tests.serving.conftest import HOST, wait_until
 
@@ -240,6 +241,19 @@ def test_a_disconnect_cancels_the_request_and_frees_its_slot(served, client):
     wait_until(lambda: served.metric("jaxspec_http_requests_total",
                                      'endpoint="completions",status="499"') == before + 1, what="the 499 count")
     assert served.metric("jaxspec_http_requests_total", 'endpoint="chat_completions",status="200"') >= 1
+
+
+def test_load_test_drives_http_and_grpc_side_by_side(served, tmp_path):
+    config = load_test.LoadConfig(target=served.grpc, http_target=served.base, protocols=("grpc", "http"),
+                                  closed_loop=2, max_requests=6, max_tokens=5, ignore_eos=True, auth_token=TOKEN)
+    report = load_test.run_load_test(config)
+    by = {s["protocol"]: s for s in report["summaries"]}
+    assert {p: (s["requests"], s["ok"], s["output_tokens"]) for p, s in by.items()} == {"grpc": (3, 3, 15),
+                                                                                        "http": (3, 3, 15)}
+    assert report["overhead"]["latency_mean_http_over_grpc"] > 0
+    assert {"command", "date", "loadavg_before", "loadavg_after"} <= set(report)
+    json_path, md_path = load_test.write_report(report, tmp_path)
+    assert "HTTP / gRPC mean latency" in md_path.read_text()
 
 
 def test_sigterm_drains_an_http_stream_and_refuses_new_calls(tmp_path):
