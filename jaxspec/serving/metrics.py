@@ -31,6 +31,8 @@ NORMAL_FINISH = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP)
 _SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 METHOD_LABELS = {f"/{_SERVICE.full_name}/{m.name}": m.name for m in _SERVICE.methods}  # full path -> label
 UNKNOWN_METHOD = "unknown"
+HTTP_ENDPOINTS = ("models", "chat_completions", "completions", "health", UNKNOWN_METHOD)  # serving.openai_api
+HTTP_STATUSES = (200, 400, 401, 404, 405, 408, 413, 429, 499, 500, 503)  # what the HTTP API answers
 
 
 def method_label(method: str) -> str:
@@ -57,6 +59,11 @@ class ServingMetrics:
             "other method (reflection, names no service has) that were refused count as method=\"unknown\"; "
             "calls gRPC itself refused, e.g. over its transport message limit, are not counted.",
             ["method", "code"], registry=r)
+        self.http_requests = Counter(
+            f"{PREFIX}_http_requests", "Finished calls to the OpenAI-compatible HTTP API, by endpoint (models, "
+            "chat_completions, completions, health; any other path counts as \"unknown\") and HTTP status (499: "
+            "the client disconnected first; any status outside the API's own set counts as \"other\").",
+            ["endpoint", "status"], registry=r)
         self.request_timeouts = Counter(
             f"{PREFIX}_request_timeouts", "Calls (health checks included) cancelled because their request "
             "message did not arrive within request_timeout_s of the server awaiting it (half-open calls).",
@@ -151,6 +158,11 @@ class ServingMetrics:
     def record_rpc(self, method: str, code: str) -> None:
         """One finished call; `method` is a label or a full method path (others count as 'unknown')."""
         self.requests.labels(method_label(method), code).inc()
+
+    def record_http(self, endpoint: str, status: int) -> None:
+        """One finished HTTP API call; labels outside the bounded sets count as 'unknown' / 'other'."""
+        self.http_requests.labels(endpoint if endpoint in HTTP_ENDPOINTS else UNKNOWN_METHOD,
+                                  str(status) if status in HTTP_STATUSES else "other").inc()
 
     def record_request_timeout(self) -> None:
         self.request_timeouts.inc()

@@ -62,6 +62,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None, help=f"address to bind (default {d.host})")
     parser.add_argument("--port", type=int, default=None, help=f"gRPC port (default {d.port}; 0 = any free port)")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: off)")
+    parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port, same process "
+                        "and scheduler as gRPC (default: off; 0 = any free port; docs/openai_api.md)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key): serve TLS")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call "
@@ -76,8 +78,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     return load_serve_config(args.config, **EngineArgs.given(args, ENGINE_FLAGS),
                              max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, host=args.host,
-                             port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
-                             tls_key=args.tls_key, auth_token=resolve_token(args.auth_token, args.auth_token_file))
+                             port=args.port, metrics_port=args.metrics_port, http_port=args.http_port,
+                             tls_cert=args.tls_cert, tls_key=args.tls_key,
+                             auth_token=resolve_token(args.auth_token, args.auth_token_file))
 
 
 def run_serve(args: argparse.Namespace, build: Callable[[ServeConfig], GenerationServer] = build_server) -> int:
@@ -108,6 +111,7 @@ def _serve(config: ServeConfig, build: Callable[..., GenerationServer], leader: 
     enable_compilation_cache()
     stop = threading.Event()
     server: GenerationServer | None = None
+    http = None  # serving.openai_api.OpenAIServer with --http-port
 
     def on_signal(signum, _frame):
         if stop.is_set() and server is not None:
@@ -120,15 +124,30 @@ def _serve(config: ServeConfig, build: Callable[..., GenerationServer], leader: 
     try:
         try:
             server = build(config) if leader is None else build(config, leader=leader)
+            if config.http_port is not None:  # bound first: /health answers 503 during warm-up
+                from serving.openai_api import start_http
+
+                http = start_http(server, config.http_port)
             server.start()
         except (ValueError, OSError, KeyError) as exc:
+            if http is not None:
+                http.shutdown(timeout=0)
             print(f"jaxspec serve: {exc}", file=sys.stderr)
             return 2
+        if http is not None:
+            http.mark_ready()
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port is not None else ""
-        print(f"jaxspec serve: {server.model_name} on {server.address}{metrics}", file=sys.stderr, flush=True)
+        api = f", HTTP on {http.address}" if http is not None else ""
+        print(f"jaxspec serve: {server.model_name} on {server.address}{api}{metrics}", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             pass
-        if server.shutdown(drain=True):
+        if http is not None:
+            http.begin_shutdown()
+        drained = server.shutdown(drain=True)
+        if http is not None:  # its streams relay their last events, then it stops
+            drained = http.shutdown() and drained
+            server.dropped += http.dropped
+        if drained:
             print("jaxspec serve: stopped (drained)", file=sys.stderr, flush=True)
             return 0
         n = server.dropped

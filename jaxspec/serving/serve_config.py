@@ -30,6 +30,7 @@ class ServeConfig:
         tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only); kernels: 'auto' or
         'xla' (None: $JAXSPEC_KERNELS, else auto)
     metrics_port:       None = no metrics endpoint; 0 = an ephemeral port
+    http_port:          the OpenAI-compatible HTTP API (serving.openai_api); None = off; 0 = an ephemeral port
     max_tokens_limit:   the largest max_tokens a request may ask for; default_max_tokens when it asks none
     max_queue:          requests waiting for a slot before calls get RESOURCE_EXHAUSTED
     max_running:        requests in slots at once (None: the largest batch bucket)
@@ -56,6 +57,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
+    http_port: int | None = None
     max_tokens_limit: int = 1024
     default_max_tokens: int = 128
     max_queue: int = 256
@@ -71,7 +73,7 @@ class ServeConfig:
     auth_token: str | None = None
 
     def __post_init__(self):
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
