@@ -31,7 +31,7 @@ NORMAL_FINISH = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP)
 _SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 METHOD_LABELS = {f"/{_SERVICE.full_name}/{m.name}": m.name for m in _SERVICE.methods}  # full path -> label
 UNKNOWN_METHOD = "unknown"
-HTTP_ENDPOINTS = ("models", "chat_completions", "completions", "health", UNKNOWN_METHOD)  # serving.openai_api
+HTTP_ENDPOINTS = ("models", "chat_completions", "completions", "health", UNKNOWN_METHOD)  # jaxspec.serving.openai_api
 HTTP_STATUSES = (200, 400, 401, 404, 405, 408, 413, 429, 499, 500, 503)  # what the HTTP API answers
 
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API of `jaxspec serve --http-port P` (docs/openai_api.md), beside gRPC.
 
-It runs in the gRPC server's process on the same scheduler (`serving.service.GenerationServer`): a Starlette
+It runs in the gRPC server's process on the same scheduler (`jaxspec.serving.service.GenerationServer`): a Starlette
 app served by uvicorn in its own thread, streams as server-sent events (sse-starlette).
 
     GET  /v1/models            the served model and its proposer, as OpenAI model objects
@@ -41,7 +41,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxspec.requests import (
+from jaxspec.scheduling.requests import (
     FinishReason,
     InvalidRequestError,
     QueueFullError,
@@ -52,9 +52,9 @@ from jaxspec.requests import (
     SchedulerClosedError,
     validate_request,
 )
+from jaxspec.serving.serve_config import check_tls_pair
+from jaxspec.serving.wire import clip, shown
 from jaxspec.types import SamplingParams
-from serving.serve_config import check_tls_pair
-from serving.wire import clip, shown
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def parse_stop(body: dict, max_strings: int, max_chars: int) -> tuple[str, ...]:
 
 def parse_sampling(body: dict, *, chat: bool, default_max_tokens: int, max_strings: int,
                    max_chars: int) -> SamplingParams:
-    """The request's SamplingParams (ranges are checked by jaxspec.requests.validate_request)."""
+    """The request's SamplingParams (ranges are checked by jaxspec.scheduling.requests.validate_request)."""
     for name, allowed in UNSUPPORTED.items():
         if body.get(name, None) not in allowed:
             raise bad(name, f"'{name}' is not supported by this server")
@@ -254,7 +254,7 @@ class OpenAIServer:
     """
 
     def __init__(self, server: Any, port: int):
-        self.server = server  # a serving.service.GenerationServer
+        self.server = server  # a jaxspec.serving.service.GenerationServer
         self.config = server.config
         self.requested_port = port
         self.port: int | None = None

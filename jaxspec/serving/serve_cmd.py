@@ -111,7 +111,7 @@ def _serve(config: ServeConfig, build: Callable[..., GenerationServer], leader: 
     enable_compilation_cache()
     stop = threading.Event()
     server: GenerationServer | None = None
-    http = None  # serving.openai_api.OpenAIServer with --http-port
+    http = None  # jaxspec.serving.openai_api.OpenAIServer with --http-port
 
     def on_signal(signum, _frame):
         if stop.is_set() and server is not None:
@@ -125,7 +125,7 @@ def _serve(config: ServeConfig, build: Callable[..., GenerationServer], leader: 
         try:
             server = build(config) if leader is None else build(config, leader=leader)
             if config.http_port is not None:  # bound first: /health answers 503 during warm-up
-                from serving.openai_api import start_http
+                from jaxspec.serving.openai_api import start_http
 
                 http = start_http(server, config.http_port)
             server.start()

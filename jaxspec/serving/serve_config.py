@@ -30,7 +30,7 @@ class ServeConfig:
         tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only); kernels: 'auto' or
         'xla' (None: $JAXSPEC_KERNELS, else auto)
     metrics_port:       None = no metrics endpoint; 0 = an ephemeral port
-    http_port:          the OpenAI-compatible HTTP API (serving.openai_api); None = off; 0 = an ephemeral port
+    http_port:          the OpenAI-compatible HTTP API (jaxspec.serving.openai_api); None = off; 0 = an ephemeral port
     max_tokens_limit:   the largest max_tokens a request may ask for; default_max_tokens when it asks none
     max_queue:          requests waiting for a slot before calls get RESOURCE_EXHAUSTED
     max_running:        requests in slots at once (None: the largest batch bucket)

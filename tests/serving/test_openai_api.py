@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (serving/openai_api.py), driven by the official `openai` client against a live
+"""The OpenAI-compatible HTTP API (jaxspec/serving/openai_api.py), driven by the official `openai` client against a live
 `jaxspec serve --http-port` process: the tiny model for most (one server for the module), the default model once
 (slow). Every engine step of the tiny server sleeps STEP_DELAY s (tests.serving.serve_entry) so streams are in
 flight long enough to disconnect from."""
@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from benchmarks import load_test
-from serving.client import GenerationClient
+from jaxspec.serving.client import GenerationClient
 from tests.serving.conftest import HOST, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -302,7 +302,7 @@ def test_default_model_answers_paris_and_equals_grpc_and_offline_generate():
                                                                 temperature=0)) == text
     finally:
         assert served.stop() == 0
-    offline = subprocess.run([sys.executable, "-m", "serving.cli", "generate", question, "--chat", "--menu", "tiny",
+    offline = subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", question, "--chat", "--menu", "tiny",
                               "--max-tokens", "24", "--temperature", "0", "--json"], cwd=ROOT, capture_output=True,
                              text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert offline.returncode == 0, offline.stderr
