@@ -9,7 +9,6 @@ import numpy as np
 
 from models.kv_cache import KVCache
 
-
 MAX_TEMPERATURE = 100.0  # the largest temperature a request may ask for: beyond it the distribution over the
 #                          tokens the top-k / top-p cut keeps is flat for any practical purpose, and logits
 #                          divided by a temperature near float32's range collapse to equal values (or overflow)
