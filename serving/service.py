@@ -61,8 +61,8 @@ from serving.auth import BearerTokenInterceptor
 from serving.call_guard import CallGuard
 from serving.metrics import ServingMetrics
 from serving.proto.jaxspec.v1 import generation_pb2 as pb
-from serving.serve_config import TRANSPORT_LIMIT_FACTOR, ServeConfig, check_tls_pair
-from serving.wire import RpcError, abort, clip, invalid, parse_generate_request, shown
+from serving.serve_config import TRANSPORT_LIMIT_FACTOR, ServeConfig, check_tls_pair, is_loopback
+from serving.wire import RpcError, abort, busy, clip, invalid, parse_generate_request, shown
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ DEADLINE_SLACK_S = 0.05  # a call that ends this close to its deadline counts as
 #                          client's own timer cancels it a moment before the server's copy expires)
 EXTRA_WORKERS = 16  # worker threads beyond queue + slots + pending calls: ListModels, reflection, rejections
 HEALTH_WORKERS = 64  # the health service's own threads (made on demand), used by nothing else
+HEALTH_WAITING = 48  # health calls awaiting their request message at once; a new one cancels the oldest, so
+#                      HEALTH_WORKERS - HEALTH_WAITING threads are always free to answer
+PROMPT_BYTES_SLACK = 4  # see GenerationServer.max_prompt_bytes
 FINISH_REASONS = {FinishReason.EOS: pb.FINISH_REASON_EOS, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
                   FinishReason.STOP: pb.FINISH_REASON_STOP}
 
@@ -118,6 +121,12 @@ class GenerationServer:
         self.config = config
         self.model_name = model_name
         self.limits = RequestLimits.for_engine(engine, tokenizer, max_tokens_limit=config.max_tokens_limit)
+        # Every token of a tokenized prompt stands for at least one byte of (normalised) text and at most
+        # the longest byte string a token id decodes to, so a prompt that fits the context (< max_len
+        # tokens) has at most (max_len - 1) × that many bytes. PROMPT_BYTES_SLACK leaves room for
+        # normalisers that shrink text before it is split; anything longer is refused before tokenizing.
+        longest_token = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
+        self.max_prompt_bytes = (self.limits.max_len - 1) * max(1, longest_token) * PROMPT_BYTES_SLACK
         self.metrics = metrics or ServingMetrics(tuple(engine.menu.k_menu))
         self._policy_source = policy
         self._progress = progress
@@ -128,6 +137,7 @@ class GenerationServer:
         self._metrics_http = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.metrics_address: tuple[str, int] | None = None  # where /metrics is bound (with metrics_port)
         self._health_pool = futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="jaxspec-health")
         self._health = health.HealthServicer(experimental_non_blocking=True, experimental_thread_pool=self._health_pool)
         self._pool: futures.ThreadPoolExecutor | None = None
@@ -167,7 +177,8 @@ class GenerationServer:
         workers = cfg.max_queue + self._capacity + cfg.max_pending_calls + EXTRA_WORKERS
         self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxspec-rpc")
         self._guard = CallGuard(timeout_s=cfg.request_timeout_s, max_pending=cfg.max_pending_calls,
-                                 max_bytes=cfg.max_message_bytes, health_pool=self._health_pool, metrics=self.metrics)
+                                max_pending_per_peer=cfg.max_pending_calls_per_peer, max_bytes=cfg.max_message_bytes,
+                                health_pool=self._health_pool, max_health_waiting=HEALTH_WAITING, metrics=self.metrics)
         interceptors: list[grpc.ServerInterceptor] = []
         if cfg.auth_token is not None:
             interceptors.append(BearerTokenInterceptor(
@@ -195,7 +206,11 @@ class GenerationServer:
         self._grpc = server
         try:
             if cfg.metrics_port is not None:
-                self._metrics_http, self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port)
+                self._metrics_http, self.metrics_port = self.metrics.serve_http(cfg.metrics_host, cfg.metrics_port)
+                self.metrics_address = (cfg.metrics_host, self.metrics_port)
+                if not is_loopback(cfg.metrics_host):
+                    log.warning("metrics on %s:%d: the endpoint has no auth and no TLS", cfg.metrics_host,
+                                self.metrics_port)
             server.start()
             log.info("listening on %s (NOT_SERVING until warm-up ends)", self.address)
             self._warm_up()
@@ -311,7 +326,7 @@ class GenerationServer:
             except InvalidRequestError as exc:
                 raise invalid(str(exc)) from None
             except QueueFullError as exc:
-                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later") from None
+                raise busy(f"{exc}; retry later") from None
             except SchedulerClosedError:
                 raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down") from None
             self.metrics.record_prompt(len(request.prompt_token_ids))
@@ -337,7 +352,7 @@ class GenerationServer:
                 yield message
         except RpcError as exc:
             code = exc.code.name
-            abort(context, exc.code, exc.message)
+            abort(context, exc.code, exc.message, retry_later=exc.retry_later)
         except Exception as exc:  # noqa: BLE001 - a bug must still end the call with a status
             code = "INTERNAL"
             log.exception("Generate failed")
@@ -384,6 +399,10 @@ class GenerationServer:
         for s in req.stop:
             if len(s) > cfg.max_stop_chars:
                 raise invalid(f"a stop string has {len(s)} characters (at most {cfg.max_stop_chars})")
+        size = len(req.prompt.encode()) + sum(len(m.role.encode()) + len(m.content.encode()) for m in req.messages)
+        if size > self.max_prompt_bytes:
+            raise invalid(f"the prompt has {size} bytes; a prompt that fits the context ({self.limits.max_len} "
+                          f"tokens) has at most {self.max_prompt_bytes} bytes")
         params = SamplingParams(
             temperature=req.temperature if req.HasField("temperature") else 0.0,
             top_p=req.top_p if req.HasField("top_p") else 1.0,
