@@ -2,8 +2,9 @@
 
 `CallGuard` (a server interceptor) makes every handler request-streaming so it starts before the
 request message arrives, awaits that message for at most `request_timeout_s` (`Alarms` cancels
-late ones), caps the calls waiting for theirs, and checks the message's size and that it
-deserialises. Health calls run on their own thread pool, outside every limit.
+late ones), caps the calls waiting for theirs (in all and per connection), and checks the message's
+size, that it deserialises and that a unary call sends only one. Health calls run on their own thread
+pool, outside those caps; the oldest waiting health call makes room for a new one.
 """
 
 from __future__ import annotations

@@ -11,10 +11,13 @@ Threads:
 Calls (`serving.call_guard.CallGuard`): gRPC hands every handler the call before its request message (they are all
 registered request-streaming), so an unauthenticated call is refused from its metadata alone; the
 request message must then arrive within `request_timeout_s`, else the call is cancelled; at most
-`max_pending_calls` calls (health excluded) wait for theirs at once, more get RESOURCE_EXHAUSTED;
-the guard checks the size (`max_message_bytes`: INVALID_ARGUMENT over it; gRPC's own transport limit
-is twice that) and deserialises (malformed: INVALID_ARGUMENT). No half-open call holds a thread for
-longer than the timeout, and health never shares a limit or a thread with other calls.
+`max_pending_calls` calls (health excluded) wait for theirs at once, `max_pending_calls_per_peer` per
+connection, more get RESOURCE_EXHAUSTED (with grpc-retry-pushback-ms); the guard checks the size
+(`max_message_bytes`: INVALID_ARGUMENT over it; gRPC's own transport limit is twice that), that a
+unary call sends one message, and deserialises (malformed: INVALID_ARGUMENT). No half-open call
+holds a thread for longer than the timeout; health never shares a limit or a thread with other
+calls, and its half-open calls are capped (HEALTH_WAITING, the oldest cancelled) below its threads.
+A prompt longer in bytes than any prompt that fits the context is refused before it is tokenized.
 
 Lifecycle: bind (health NOT_SERVING, Generate answers UNAVAILABLE) -> warm up the whole menu (and,
 for goodput policies, load or measure the cost profile) -> start the engine thread -> SERVING.
