@@ -232,3 +232,20 @@ def test_plain_text_off_loopback_needs_a_flag(host, tmp_path):
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
 def test_plain_text_on_loopback_needs_no_flag(host):
     assert ServeConfig(host=host).host == host
+
+
+def test_the_new_limits_are_serve_flags(monkeypatch):
+    import argparse
+
+    from serving import auth
+    from serving.serve_cmd import add_serve_arguments, serve_config_from_args
+
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    config = serve_config_from_args(parser.parse_args(["--host", "0.0.0.0", "--allow-plaintext", "--metrics-host",
+                                                       "127.0.0.3", "--max-pending-calls-per-peer", "2"]))
+    assert (config.allow_plaintext, config.metrics_host, config.max_pending_calls_per_peer) == (True, "127.0.0.3", 2)
+    with pytest.raises(ValueError, match="allow_plaintext"):
+        serve_config_from_args(parser.parse_args(["--host", "0.0.0.0"]))
+    assert ServeConfig().metrics_host == "127.0.0.1"
