@@ -9,6 +9,10 @@ import numpy as np
 
 from jaxspec.models.kv_cache import KVCache
 
+MAX_TEMPERATURE = 100.0  # the largest temperature a request may ask for: beyond it the distribution over the
+#                          tokens the top-k / top-p cut keeps is flat for any practical purpose, and logits
+#                          divided by a temperature near float32's range collapse to equal values (or overflow)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -25,8 +29,8 @@ class SamplingParams:
 
     def validate(self, max_tokens_limit: int | None = None) -> None:
         """Raise ValueError with a clear message if any value is out of range."""
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not np.isfinite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         # the device holds top_p as float32, where a tiny one becomes 0: valid, it keeps the top token
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -14,7 +14,7 @@ from jaxspec.models.config import TINY
 from jaxspec.speculation import sampling
 from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.speculation.verify import verify
-from jaxspec.types import Proposals, RowParams, SamplingParams
+from jaxspec.types import MAX_TEMPERATURE, Proposals, RowParams, SamplingParams
 from tests.conftest import decode, random_prompts, reference_greedy
 
 # a permuted distribution, so nothing relies on the input being sorted: sorted, it is .4 .3 .2 .1
@@ -112,3 +112,24 @@ def test_tiny_top_p_through_the_engine_is_greedy(tiny_model):
     for k in (0, 2):
         assert decode(engine, [prompt], k, 16, params=[params])[0][0] == expected
         engine.free(0)
+
+
+@pytest.mark.parametrize("temperature", [10.0, 1e4, 1e38, 3e38])
+def test_the_cut_survives_a_huge_temperature(temperature):
+    """Scaled by a huge temperature the logits become equal in float32 (or 0): the top-k and top-p cut
+    must still keep only the top tokens of the unscaled logits, so top_k = 1 stays greedy."""
+    logits = jnp.asarray(np.log(PROBS), jnp.float32)[None]  # [1, V]; sorted: .4 .3 .2 .1
+    probs = np.asarray(jax.jit(sampling.warp)(logits, _rows(1, temperature, 1.0, 1)))[0]
+    np.testing.assert_array_equal(probs, [0.0, 1.0, 0.0, 0.0])
+    probs = np.asarray(jax.jit(sampling.warp)(logits, _rows(1, temperature, 1.0, 2)))[0]
+    np.testing.assert_allclose(probs, [0.0, 0.5, 0.0, 0.5], atol=0.02)  # near-flat over the two kept
+    # top_p = 0.3: nearly flat probabilities (0.25 each) keep two tokens, the top two of the logits
+    probs = np.asarray(jax.jit(sampling.warp)(logits, _rows(1, temperature, 0.3, 0)))[0]
+    np.testing.assert_allclose(probs, [0.0, 0.5, 0.0, 0.5], atol=0.02)
+
+
+def test_temperature_is_bounded():
+    SamplingParams(temperature=MAX_TEMPERATURE).validate()
+    for bad in (MAX_TEMPERATURE * 1.01, 1e38, 1.7e308, float("inf")):
+        with pytest.raises(ValueError, match="temperature must be"):
+            SamplingParams(temperature=bad).validate()

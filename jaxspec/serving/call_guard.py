@@ -2,12 +2,15 @@
 
 `CallGuard` (a server interceptor) makes every handler request-streaming so it starts before the
 request message arrives, awaits that message for at most `request_timeout_s` (`Alarms` cancels
-late ones), caps the calls waiting for theirs, and checks the message's size and that it
-deserialises. Health calls run on their own thread pool, outside every limit.
+late ones), caps the calls waiting for theirs (in all and per connection), and checks the message's
+size, that it deserialises and that a unary call sends only one. Health calls run on their own thread
+pool, outside those caps; the oldest waiting health call makes room for a new one.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import heapq
 import itertools
 import logging
@@ -24,6 +27,7 @@ from jaxspec.serving.metrics import ServingMetrics
 from jaxspec.serving.wire import abort, clip
 
 log = logging.getLogger(__name__)
+DEADLINE_SLACK_S = 0.05  # a call that ends this close to its deadline counts as DEADLINE_EXCEEDED
 
 
 class Alarms:
@@ -77,6 +81,10 @@ class Alarms:
                 log.exception("an alarm callback failed")
 
 
+CANCEL_SETTLE_S = 0.2  # after a request stream ends without a message, how long to wait for the call's end
+#                        (a client's cancel can end the stream a moment before it ends the call)
+
+
 class CallGuard(grpc.ServerInterceptor):
     """Rewrites every method's handler so that no client can hold a thread or starve health.
 
@@ -84,21 +92,29 @@ class CallGuard(grpc.ServerInterceptor):
     gRPC starts it before the request message and does not deserialise it. The handler then awaits
     each request message for at most `timeout_s` (else it cancels the call: the client sees
     CANCELLED), refuses a message over `max_bytes` or one that does not deserialise
-    (INVALID_ARGUMENT), and only then calls the method's own behaviour. At most `max_pending` calls
-    other than health wait for a message at once (more: RESOURCE_EXHAUSTED at once). Health calls
-    run on `health_pool`, outside that limit. Runs after the auth interceptor, which refuses calls
-    without the token before any of this.
+    (INVALID_ARGUMENT), refuses a second message to a unary method (INVALID_ARGUMENT), and only
+    then calls the method's own behaviour. Calls other than health that wait for a message are
+    capped: `max_pending` in all, `max_pending_per_peer` per connection (more: RESOURCE_EXHAUSTED at
+    once, with a retry pushback). Health calls run on `health_pool`, outside those caps; at most
+    `max_health_waiting` of them wait for a message at once, and a new one cancels the oldest
+    waiting one, so the pool always has threads free to answer. Runs after the auth interceptor,
+    which refuses calls without the token before any of this.
     """
 
-    def __init__(self, *, timeout_s: float, max_pending: int, max_bytes: int,
-                 health_pool: futures.ThreadPoolExecutor, metrics: ServingMetrics):
+    def __init__(self, *, timeout_s: float, max_pending: int, max_pending_per_peer: int, max_bytes: int,
+                 health_pool: futures.ThreadPoolExecutor, max_health_waiting: int, metrics: ServingMetrics):
         self._timeout_s = timeout_s
         self._max_pending = max_pending
+        self._max_per_peer = max_pending_per_peer
         self._max_bytes = max_bytes
         self._health_pool = health_pool
+        self._max_health_waiting = max_health_waiting
         self._metrics = metrics
         self._lock = threading.Lock()
         self._pending = 0
+        self._pending_by_peer: collections.Counter[str] = collections.Counter()
+        self._health_waiting: dict[int, grpc.ServicerContext] = {}  # insertion order = oldest first
+        self._ids = itertools.count()
         self._alarms = Alarms()
 
     @property
@@ -130,10 +146,7 @@ class CallGuard(grpc.ServerInterceptor):
             inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
             def behaviour(requests, context, *callback):
-                data = self._receive(requests, context, method, counted)
-                if data is None:
-                    self._refuse(context, method, counted, grpc.StatusCode.INVALID_ARGUMENT,
-                                 "the call ended without a request message")
+                data = self._receive(requests, context, method, counted, unary=True)
                 return inner(self._decode(data, context, method, decode, counted), context, *callback)
 
         for name in ("experimental_non_blocking", "experimental_thread_pool"):  # health's Watch sets these
@@ -146,35 +159,92 @@ class CallGuard(grpc.ServerInterceptor):
         return make(behaviour, request_deserializer=None, response_serializer=handler.response_serializer)
 
     def _messages(self, requests, context, method, decode, counted) -> Iterator[Any]:
-        while (data := self._receive(requests, context, method, counted)) is not None:
+        while (data := self._receive(requests, context, method, counted, unary=False)) is not None:
             yield self._decode(data, context, method, decode, counted)
 
-    def _receive(self, requests, context: grpc.ServicerContext, method: str, counted: bool) -> bytes | None:
-        """The next request message (None: the client sent no more), awaited for at most timeout_s."""
-        if counted:
-            with self._lock:
-                full = self._pending >= self._max_pending
-                self._pending += not full
-            if full:
-                self._refuse(context, method, counted, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"{self._max_pending} calls are already waiting for their request message "
-                             f"(max_pending_calls); retry later")
-        alarm = self._alarms.arm(self._timeout_s, lambda: self._expire(context, method, counted))
-        try:
-            return next(requests, None)  # raises grpc.RpcError once the call is cancelled
-        finally:
-            self._alarms.disarm(alarm)
-            if counted:
-                with self._lock:
-                    self._pending -= 1
+    def _receive(self, requests, context: grpc.ServicerContext, method: str, counted: bool,
+                 unary: bool) -> bytes | None:
+        """The next request message (None: the client sent no more; unary: the only one, refused
+        unless the stream then ends), awaited for at most timeout_s. A call that ends meanwhile
+        (the client cancelled, its deadline, the timeout) is counted here and re-raises."""
+        with self._waiting(context, method, counted):
+            alarm = self._alarms.arm(self._timeout_s, lambda: self._expire(context, method))
+            try:
+                data = next(requests, None)  # raises grpc.RpcError once the call is cancelled
+                if unary and data is not None and next(requests, None) is not None:
+                    self._refuse(context, method, counted, grpc.StatusCode.INVALID_ARGUMENT,
+                                 "a unary method takes exactly one request message; the client sent more")
+            except grpc.RpcError:
+                self._count_ended(context, method, counted)
+                raise
+            finally:
+                self._alarms.disarm(alarm)
+        if unary and data is None:
+            if _ends_soon(context):  # a cancel that closed the stream first
+                self._count_ended(context, method, counted)
+                abort(context, grpc.StatusCode.CANCELLED, "the call was cancelled")
+            self._refuse(context, method, counted, grpc.StatusCode.INVALID_ARGUMENT,
+                         "the call ended without a request message")
+        return data
 
-    def _expire(self, context: grpc.ServicerContext, method: str, counted: bool) -> None:
+    @contextlib.contextmanager
+    def _waiting(self, context: grpc.ServicerContext, method: str, counted: bool):
+        """Hold one of the places of calls awaiting a message (refused when the caps are reached);
+        for health, a place among the waiting health calls (the oldest one is cancelled to make room)."""
+        if not counted:
+            key = next(self._ids)
+            with self._lock:
+                self._health_waiting[key] = context
+                evicted = []
+                while len(self._health_waiting) > self._max_health_waiting:
+                    evicted.append(self._health_waiting.pop(next(iter(self._health_waiting))))
+            for old in evicted:
+                log.debug("health: %d calls await their request message: the oldest is cancelled",
+                          self._max_health_waiting)
+                old.cancel()
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self._health_waiting.pop(key, None)
+            return
+        peer = context.peer()
+        with self._lock:
+            refusal = None
+            if self._pending >= self._max_pending:
+                refusal = f"{self._max_pending} calls are already waiting for their request message " \
+                          f"(max_pending_calls); retry later"
+            elif self._pending_by_peer[peer] >= self._max_per_peer:
+                refusal = f"{self._max_per_peer} calls of this connection are already waiting for their request " \
+                          f"message (max_pending_calls_per_peer, per connection); retry later"
+            else:
+                self._pending += 1
+                self._pending_by_peer[peer] += 1
+        if refusal is not None:
+            self._metrics.record_rpc(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+            abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, retry_later=True)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pending -= 1
+                self._pending_by_peer[peer] -= 1
+                if not self._pending_by_peer[peer]:
+                    del self._pending_by_peer[peer]
+
+    def _expire(self, context: grpc.ServicerContext, method: str) -> None:
         if context.is_active():
             log.debug("%s: no request message within %.1f s: cancelled", clip(method), self._timeout_s)
             self._metrics.record_request_timeout()
-            if counted:
-                self._metrics.record_rpc(method, grpc.StatusCode.CANCELLED.name)
-            context.cancel()
+            context.cancel()  # the waiting thread counts it (CANCELLED)
+
+    def _count_ended(self, context: grpc.ServicerContext, method: str, counted: bool) -> None:
+        """Count a call that ended while awaiting its message: DEADLINE_EXCEEDED at its deadline,
+        else CANCELLED (the client cancelled or left, or the request timeout cancelled it)."""
+        if counted:
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+            self._metrics.record_rpc(method, "DEADLINE_EXCEEDED" if expired else "CANCELLED")
 
     def _decode(self, data: bytes, context, method: str, decode, counted: bool) -> Any:
         if len(data) > self._max_bytes:
@@ -193,6 +263,16 @@ class CallGuard(grpc.ServerInterceptor):
         if counted:
             self._metrics.record_rpc(method, code.name)
         abort(context, code, message)
+
+
+def _ends_soon(context: grpc.ServicerContext) -> bool:
+    """Whether the call ends within CANCEL_SETTLE_S (it was cancelled, and the stream closed first)."""
+    deadline = time.monotonic() + CANCEL_SETTLE_S
+    while context.is_active():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 __all__ = ["Alarms", "CallGuard"]

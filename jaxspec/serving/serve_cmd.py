@@ -64,6 +64,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: off)")
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port, same process "
                         "and scheduler as gRPC (default: off; 0 = any free port; docs/openai_api.md)")
+    parser.add_argument("--metrics-host", default=None, help=f"address /metrics binds (default {d.metrics_host}; "
+                        "the endpoint has no auth and no TLS)")
+    parser.add_argument("--allow-plaintext", action="store_true", default=None,
+                        help="serve without TLS on a --host other than loopback (refused without this flag: "
+                        "prompts, outputs and the bearer token cross the network in clear)")
+    parser.add_argument("--max-pending-calls-per-peer", type=int, default=None, metavar="N",
+                        help=f"calls of one client connection that may await their request message at once "
+                        f"(default {d.max_pending_calls_per_peer}; {d.max_pending_calls} in all)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key): serve TLS")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call "
@@ -78,9 +86,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     return load_serve_config(args.config, **EngineArgs.given(args, ENGINE_FLAGS),
                              max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue, host=args.host,
-                             port=args.port, metrics_port=args.metrics_port, http_port=args.http_port,
-                             tls_cert=args.tls_cert, tls_key=args.tls_key,
-                             auth_token=resolve_token(args.auth_token, args.auth_token_file))
+                             port=args.port, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                             http_port=args.http_port, allow_plaintext=args.allow_plaintext,
+                             max_pending_calls_per_peer=args.max_pending_calls_per_peer, tls_cert=args.tls_cert,
+                             tls_key=args.tls_key, auth_token=resolve_token(args.auth_token, args.auth_token_file))
 
 
 def run_serve(args: argparse.Namespace, build: Callable[[ServeConfig], GenerationServer] = build_server) -> int:

@@ -4,6 +4,7 @@ its keys), how they load, and the check of a configured TLS key pair."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import ssl
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,12 @@ class ServeConfig:
         CPU, bfloat16 on GPU/TPU), 'float32', 'bfloat16'; mesh: 'data=D,model=M' (None: the menu's, else 1,1);
         tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only); kernels: 'auto' or
         'xla' (None: $JAXSPEC_KERNELS, else auto)
+    host:               the gRPC address to bind; off loopback, plain text (no tls_cert) needs allow_plaintext
     metrics_port:       None = no metrics endpoint; 0 = an ephemeral port
+    metrics_host:       the address /metrics binds (no auth, no TLS: loopback unless set)
     http_port:          the OpenAI-compatible HTTP API (jaxspec.serving.openai_api); None = off; 0 = an ephemeral port
+    allow_plaintext:    serve without TLS on an address other than loopback (prompts, outputs and the
+        bearer token then cross the network in clear)
     max_tokens_limit:   the largest max_tokens a request may ask for; default_max_tokens when it asks none
     max_queue:          requests waiting for a slot before calls get RESOURCE_EXHAUSTED
     max_running:        requests in slots at once (None: the largest batch bucket)
@@ -40,6 +45,7 @@ class ServeConfig:
         call is cancelled (half-open calls must not hold threads)
     max_pending_calls:  calls (health checks excluded) waiting for their request message at once;
         more get RESOURCE_EXHAUSTED at once
+    max_pending_calls_per_peer:  the same, per client connection (so one connection cannot take every place)
     drain_timeout_s:    how long SIGTERM waits for in-flight requests
     tls_cert, tls_key:  PEM files (both or neither); auth_token: required bearer token (None: no auth)
     """
@@ -58,6 +64,8 @@ class ServeConfig:
     port: int = 50051
     metrics_port: int | None = None
     http_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    allow_plaintext: bool = False
     max_tokens_limit: int = 1024
     default_max_tokens: int = 128
     max_queue: int = 256
@@ -67,6 +75,7 @@ class ServeConfig:
     max_message_bytes: int = 1 << 20
     request_timeout_s: float = 5.0
     max_pending_calls: int = 64
+    max_pending_calls_per_peer: int = 8
     drain_timeout_s: float = 120.0
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -78,7 +87,7 @@ class ServeConfig:
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
         for name in ("max_tokens_limit", "default_max_tokens", "max_queue", "max_stop_chars", "max_message_bytes",
-                     "max_pending_calls"):
+                     "max_pending_calls", "max_pending_calls_per_peer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_stop_strings < 0:
@@ -93,6 +102,10 @@ class ServeConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both tls_cert and tls_key (or neither)")
+        if self.tls_cert is None and not self.allow_plaintext and not is_loopback(self.host):
+            raise ValueError(f"host {self.host!r} is not a loopback address and there is no TLS: prompts, outputs "
+                             f"and the bearer token would cross the network in clear. Give tls_cert and tls_key "
+                             f"(--tls-cert/--tls-key), or set allow_plaintext (--allow-plaintext) to accept that")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must be non-empty when set")
         if self.max_message_bytes * TRANSPORT_LIMIT_FACTOR >= 1 << 31:
@@ -118,6 +131,17 @@ def load_serve_config(path: str | Path | None = None, **overrides) -> ServeConfi
     return ServeConfig(**values)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` names only this machine: 'localhost' or a loopback IP (127.0.0.0/8, ::1). A
+    wildcard ('0.0.0.0', '::', '') or any other name is not."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def check_tls_pair(cert: str | Path, key: str | Path) -> None:
     """Raise ValueError unless `key` is the unencrypted PEM private key of the PEM certificate chain
     `cert` (gRPC would only say that it cannot bind); FileNotFoundError for a missing file."""
@@ -139,4 +163,5 @@ def check_tls_pair(cert: str | Path, key: str | Path) -> None:
         raise ValueError(f"cannot load the TLS certificate {cert} with key {key}: {exc.reason or exc}") from None
 
 
-__all__ = ["DEFAULT_CONFIG", "TRANSPORT_LIMIT_FACTOR", "ServeConfig", "check_tls_pair", "load_serve_config"]
+__all__ = ["DEFAULT_CONFIG", "TRANSPORT_LIMIT_FACTOR", "ServeConfig", "check_tls_pair", "is_loopback",
+           "load_serve_config"]

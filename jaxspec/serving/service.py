@@ -12,10 +12,13 @@ Calls (`jaxspec.serving.call_guard.CallGuard`):
 gRPC hands every handler the call before its request message (they are all
 registered request-streaming), so an unauthenticated call is refused from its metadata alone; the
 request message must then arrive within `request_timeout_s`, else the call is cancelled; at most
-`max_pending_calls` calls (health excluded) wait for theirs at once, more get RESOURCE_EXHAUSTED;
-the guard checks the size (`max_message_bytes`: INVALID_ARGUMENT over it; gRPC's own transport limit
-is twice that) and deserialises (malformed: INVALID_ARGUMENT). No half-open call holds a thread for
-longer than the timeout, and health never shares a limit or a thread with other calls.
+`max_pending_calls` calls (health excluded) wait for theirs at once, `max_pending_calls_per_peer` per
+connection, more get RESOURCE_EXHAUSTED (with grpc-retry-pushback-ms); the guard checks the size
+(`max_message_bytes`: INVALID_ARGUMENT over it; gRPC's own transport limit is twice that), that a
+unary call sends one message, and deserialises (malformed: INVALID_ARGUMENT). No half-open call
+holds a thread for longer than the timeout; health never shares a limit or a thread with other
+calls, and its half-open calls are capped (HEALTH_WAITING, the oldest cancelled) below its threads.
+A prompt longer in bytes than any prompt that fits the context is refused before it is tokenized.
 
 Lifecycle: bind (health NOT_SERVING, Generate answers UNAVAILABLE) -> warm up the whole menu (and,
 for goodput policies, load or measure the cost profile) -> start the engine thread -> SERVING.
@@ -62,8 +65,8 @@ from jaxspec.serving.auth import BearerTokenInterceptor
 from jaxspec.serving.call_guard import CallGuard
 from jaxspec.serving.metrics import ServingMetrics
 from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
-from jaxspec.serving.serve_config import TRANSPORT_LIMIT_FACTOR, ServeConfig, check_tls_pair
-from jaxspec.serving.wire import RpcError, abort, clip, invalid, parse_generate_request, shown
+from jaxspec.serving.serve_config import TRANSPORT_LIMIT_FACTOR, ServeConfig, check_tls_pair, is_loopback
+from jaxspec.serving.wire import RpcError, abort, busy, clip, invalid, parse_generate_request, shown
 from jaxspec.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,9 @@ DEADLINE_SLACK_S = 0.05  # a call that ends this close to its deadline counts as
 #                          client's own timer cancels it a moment before the server's copy expires)
 EXTRA_WORKERS = 16  # worker threads beyond queue + slots + pending calls: ListModels, reflection, rejections
 HEALTH_WORKERS = 64  # the health service's own threads (made on demand), used by nothing else
+HEALTH_WAITING = 48  # health calls awaiting their request message at once; a new one cancels the oldest, so
+#                      HEALTH_WORKERS - HEALTH_WAITING threads are always free to answer
+PROMPT_BYTES_SLACK = 4  # see GenerationServer.max_prompt_bytes
 FINISH_REASONS = {FinishReason.EOS: pb.FINISH_REASON_EOS, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
                   FinishReason.STOP: pb.FINISH_REASON_STOP}
 
@@ -120,6 +126,12 @@ class GenerationServer:
         self.config = config
         self.model_name = model_name
         self.limits = RequestLimits.for_engine(engine, tokenizer, max_tokens_limit=config.max_tokens_limit)
+        # Every token of a tokenized prompt stands for at least one byte of (normalised) text and at most
+        # the longest byte string a token id decodes to, so a prompt that fits the context (< max_len
+        # tokens) has at most (max_len - 1) × that many bytes. PROMPT_BYTES_SLACK leaves room for
+        # normalisers that shrink text before it is split; anything longer is refused before tokenizing.
+        longest_token = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
+        self.max_prompt_bytes = (self.limits.max_len - 1) * max(1, longest_token) * PROMPT_BYTES_SLACK
         self.metrics = metrics or ServingMetrics(tuple(engine.menu.k_menu))
         self._policy_source = policy
         self._progress = progress
@@ -130,6 +142,7 @@ class GenerationServer:
         self._metrics_http = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.metrics_address: tuple[str, int] | None = None  # where /metrics is bound (with metrics_port)
         self._health_pool = futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="jaxspec-health")
         self._health = health.HealthServicer(experimental_non_blocking=True, experimental_thread_pool=self._health_pool)
         self._pool: futures.ThreadPoolExecutor | None = None
@@ -169,7 +182,8 @@ class GenerationServer:
         workers = cfg.max_queue + self._capacity + cfg.max_pending_calls + EXTRA_WORKERS
         self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxspec-rpc")
         self._guard = CallGuard(timeout_s=cfg.request_timeout_s, max_pending=cfg.max_pending_calls,
-                                 max_bytes=cfg.max_message_bytes, health_pool=self._health_pool, metrics=self.metrics)
+                                max_pending_per_peer=cfg.max_pending_calls_per_peer, max_bytes=cfg.max_message_bytes,
+                                health_pool=self._health_pool, max_health_waiting=HEALTH_WAITING, metrics=self.metrics)
         interceptors: list[grpc.ServerInterceptor] = []
         if cfg.auth_token is not None:
             interceptors.append(BearerTokenInterceptor(
@@ -197,7 +211,11 @@ class GenerationServer:
         self._grpc = server
         try:
             if cfg.metrics_port is not None:
-                self._metrics_http, self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port)
+                self._metrics_http, self.metrics_port = self.metrics.serve_http(cfg.metrics_host, cfg.metrics_port)
+                self.metrics_address = (cfg.metrics_host, self.metrics_port)
+                if not is_loopback(cfg.metrics_host):
+                    log.warning("metrics on %s:%d: the endpoint has no auth and no TLS", cfg.metrics_host,
+                                self.metrics_port)
             server.start()
             log.info("listening on %s (NOT_SERVING until warm-up ends)", self.address)
             self._warm_up()
@@ -313,7 +331,7 @@ class GenerationServer:
             except InvalidRequestError as exc:
                 raise invalid(str(exc)) from None
             except QueueFullError as exc:
-                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later") from None
+                raise busy(f"{exc}; retry later") from None
             except SchedulerClosedError:
                 raise RpcError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down") from None
             self.metrics.record_prompt(len(request.prompt_token_ids))
@@ -339,7 +357,7 @@ class GenerationServer:
                 yield message
         except RpcError as exc:
             code = exc.code.name
-            abort(context, exc.code, exc.message)
+            abort(context, exc.code, exc.message, retry_later=exc.retry_later)
         except Exception as exc:  # noqa: BLE001 - a bug must still end the call with a status
             code = "INTERNAL"
             log.exception("Generate failed")
@@ -386,6 +404,10 @@ class GenerationServer:
         for s in req.stop:
             if len(s) > cfg.max_stop_chars:
                 raise invalid(f"a stop string has {len(s)} characters (at most {cfg.max_stop_chars})")
+        size = len(req.prompt.encode()) + sum(len(m.role.encode()) + len(m.content.encode()) for m in req.messages)
+        if size > self.max_prompt_bytes:
+            raise invalid(f"the prompt has {size} bytes; a prompt that fits the context ({self.limits.max_len} "
+                          f"tokens) has at most {self.max_prompt_bytes} bytes")
         params = SamplingParams(
             temperature=req.temperature if req.HasField("temperature") else 0.0,
             top_p=req.top_p if req.HasField("top_p") else 1.0,

@@ -12,20 +12,27 @@ from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
 
 ECHO_CHARS = 200  # a client's value echoed in a status message is cut to this many characters
 DETAILS_CHARS = 1000  # a status message is cut to this many characters
+RETRY_PUSHBACK_MS = 100  # the grpc-retry-pushback-ms trailer of every "busy" RESOURCE_EXHAUSTED (gRFC A6)
 
 
 class RpcError(Exception):
     """Ends a call with `code` and `message` (the handlers turn it into context.abort)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_later: bool = False):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_later = retry_later
 
 
 def invalid(message: str) -> RpcError:
     """An INVALID_ARGUMENT error with `message`."""
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def busy(message: str) -> RpcError:
+    """A RESOURCE_EXHAUSTED error that means "busy, retry later" (see `abort`)."""
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_later=True)
 
 
 def clip(text: str, limit: int = ECHO_CHARS) -> str:
@@ -38,8 +45,12 @@ def shown(value: object) -> str:
     return clip(repr(value))
 
 
-def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str):
-    """End the call (raises); the message is cut to DETAILS_CHARS, whatever it echoes."""
+def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str, retry_later: bool = False):
+    """End the call (raises); the message is cut to DETAILS_CHARS, whatever it echoes. retry_later:
+    add the trailer grpc-retry-pushback-ms (the server is busy). gRPC's own RESOURCE_EXHAUSTED, for a
+    message over its transport limit, has no such trailer: it is not retryable."""
+    if retry_later:
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
     context.abort(code, clip(message, DETAILS_CHARS))
 
 
@@ -107,4 +118,5 @@ def _is_repeated(field: _descriptor.FieldDescriptor) -> bool:
     return bool(repeated) if repeated is not None else field.label == field.LABEL_REPEATED
 
 
-__all__ = ["DETAILS_CHARS", "ECHO_CHARS", "RpcError", "abort", "clip", "invalid", "parse_generate_request", "shown"]
+__all__ = ["DETAILS_CHARS", "ECHO_CHARS", "RETRY_PUSHBACK_MS", "RpcError", "abort", "busy", "clip", "invalid",
+           "parse_generate_request", "shown"]

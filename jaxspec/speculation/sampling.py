@@ -21,30 +21,35 @@ def _expand(x: jax.Array, ndim: int) -> jax.Array:
     return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
 
-def _truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask logits outside each row's top-k, then outside the top-p nucleus of what is left.
+def _truncate(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The temperature-scaled logits, masked outside each row's top-k, then outside the top-p nucleus
+    of what is left.
 
-    top-k keeps the top_k largest logits (0: all); their probabilities are renormalised, and top-p
-    keeps the shortest descending prefix of them whose mass reaches top_p (>= 1: all). The top token
-    is always kept, so a top_p the device sees as 0 (a tiny value rounded or flushed to zero in
-    float32) samples the top token, as any top_p below its probability does, never the whole
-    vocabulary. Logits tied with the last kept one are kept. logits [B, ..., V] -> [B, ..., V].
+    top-k keeps the top_k largest logits (0: all); their probabilities at `temperature` are
+    renormalised, and top-p keeps the shortest descending prefix of them whose mass reaches top_p
+    (>= 1: all). The cut is ranked and thresholded on the unscaled logits, so a huge temperature,
+    which makes the scaled logits equal in float32, cannot widen it: `top_k = 1` stays greedy. The
+    top token is always kept, so a top_p the device sees as 0 (a tiny value rounded or flushed to
+    zero in float32) samples the top token, as any top_p below its probability does, never the whole
+    vocabulary. Logits tied with the last kept one are kept.
+    logits [B, ..., V], temperature [B, ..., 1] (> 0) -> scaled and masked logits [B, ..., V].
     """
     v = logits.shape[-1]
     sorted_logits = -jnp.sort(-logits, axis=-1)  # [B, ..., V] descending
+    sorted_scaled = sorted_logits / temperature  # [B, ..., V] non-increasing: dividing by T > 0 keeps the order
     rank = jnp.arange(v, dtype=jnp.int32)  # [V], position in sorted order
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)  # [B]
     in_top_k = rank < _expand(k, logits.ndim)  # [B, ..., V]
-    # probabilities renormalised over the top-k: [B, ..., V], 0 past rank k
-    sorted_probs = jax.nn.softmax(jnp.where(in_top_k, sorted_logits, -jnp.inf), axis=-1)
+    # probabilities at the temperature, renormalised over the top-k: [B, ..., V], 0 past rank k
+    sorted_probs = jax.nn.softmax(jnp.where(in_top_k, sorted_scaled, -jnp.inf), axis=-1)
     cumulative = jnp.cumsum(sorted_probs, axis=-1)  # [B, ..., V], non-decreasing
     mass_before = jnp.concatenate([jnp.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], axis=-1)
     p = _expand(top_p, logits.ndim)
     # a descending prefix: rank 0 always, then while the mass before it is < top_p
     keep = in_top_k & ((rank == 0) | (mass_before < p) | (p >= 1.0))  # [B, ..., V]
     n_keep = jnp.sum(keep, axis=-1, keepdims=True, dtype=jnp.int32)  # [B, ..., 1], >= 1
-    threshold = jnp.take_along_axis(sorted_logits, n_keep - 1, axis=-1)  # [B, ..., 1]
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    threshold = jnp.take_along_axis(sorted_logits, n_keep - 1, axis=-1)  # [B, ..., 1], an unscaled logit
+    return jnp.where(logits >= threshold, logits / temperature, -jnp.inf)  # [B, ..., V]
 
 
 def warp(logits: jax.Array, params: RowParams) -> jax.Array:
@@ -52,12 +57,12 @@ def warp(logits: jax.Array, params: RowParams) -> jax.Array:
 
     logits [B, ..., V] (fp32) -> probs [B, ..., V].
     """
-    temperature = _expand(params.temperature, logits.ndim)
-    scaled = logits / jnp.maximum(temperature, _MIN_TEMPERATURE)
+    temperature = _expand(params.temperature, logits.ndim)  # [B, ..., 1]
+    positive = jnp.maximum(temperature, _MIN_TEMPERATURE)  # [B, ..., 1]
     needs_truncation = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
     scaled = jax.lax.cond(needs_truncation,
-                          lambda x: _truncate(x, params.top_k, params.top_p),
-                          lambda x: x, scaled)
+                          lambda x: _truncate(x, positive, params.top_k, params.top_p),
+                          lambda x: x / positive, logits)  # [B, ..., V]
     probs = jax.nn.softmax(scaled, axis=-1)
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=probs.dtype)
     return jnp.where(temperature <= 0.0, greedy, probs)
