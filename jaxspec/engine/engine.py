@@ -102,7 +102,7 @@ class Engine:
         self.sharding_notes = layout.notes
         # the kernel plan (jaxspec.models.kernel_plan; docs/design.md, "The kernel plan"): resolved once here, passed
         # to every traced body; a model loaded for another plan's weight layout is refused by serving_split
-        self.kernels = kernel_plan_for(target.config, mesh, kernels)
+        self.kernels = kernel_plan_for(target.config, mesh, kernels, max_len=menu.max_len)
         report_missing_kernels(self.kernels)
         self._placement = serving_placement(self.mesh, layout, self.kernels)
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -111,7 +111,8 @@ class Engine:
         self._graphdef, self._params = serving_split(target, self._placement)
         # the proposer's layers are replicated (small); an embedding it shares with the target stays the target's
         draft_model_config = getattr(self.proposer, "config", None) or target.config
-        self.proposer_kernels = kernel_plan_for(draft_model_config, mesh, kernels, tensor_parallel=False)
+        self.proposer_kernels = kernel_plan_for(draft_model_config, mesh, kernels, tensor_parallel=False,
+                                                max_len=menu.max_len)
         self.proposer = self.proposer.with_kernels(self.proposer_kernels)
         self.proposer_placement = serving_placement(self.mesh, replicated_layout(target.config, mesh.model),
                                                     self.proposer_kernels)

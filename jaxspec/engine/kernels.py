@@ -17,13 +17,14 @@ _REPORTED: set[str] = set()  # notes already printed (each once per process)
 
 
 def kernel_plan_for(config: ModelConfig, mesh: MeshSpec, choice: KernelChoice = "auto",
-                    tensor_parallel: bool = True) -> KernelPlan:
-    """The plan for `config` served on `mesh`: split over `model` (`tensor_parallel`) or replicated (a draft)."""
+                    tensor_parallel: bool = True, max_len: int | None = None) -> KernelPlan:
+    """The plan for `config` served on `mesh`: split over `model` (`tensor_parallel`) or replicated (a draft);
+    `max_len`: the cache's positions per slot (the engine's menu)."""
     device_mesh = make_mesh(mesh)
     layout = plan_layout(config, mesh.model) if tensor_parallel else replicated_layout(config, mesh.model)
     return resolve_kernel_plan(config, backend=device_mesh.devices.flat[0].platform, dtype=config.dtype,
                                mesh_size=device_mesh.size, cache_kv_heads=layout.kv_heads_for(config),
-                               tensor_parallel=layout.groups > 1, choice=choice)
+                               tensor_parallel=layout.groups > 1, choice=choice, max_len=max_len)
 
 
 def report_missing_kernels(plan: KernelPlan) -> None:

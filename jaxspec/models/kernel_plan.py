@@ -43,6 +43,7 @@ class KernelPlan:
     matmul               the layers' weights: XLA's layout, or column panels read by the panel kernel
     lm_head              the tied LM head: XLA's dot, or the table kernel reading the embedding in place
     notes                why a kernel was not taken (empty when every kernel that exists for the backend was)
+    interpret            run the Pallas kernel in interpret mode (tests of the GPU kernel on CPU; never fast)
     """
 
     attention: AttentionForm = "xla"
@@ -51,6 +52,7 @@ class KernelPlan:
     matmul: MatmulForm = "xla"
     lm_head: HeadForm = "xla"
     notes: tuple[str, ...] = ()
+    interpret: bool = False
 
     def attention_form(self, rows: int) -> AttentionForm:
         """The form a call with `rows` new tokens per row attends in."""
@@ -74,7 +76,7 @@ class KernelPlan:
     def to_json(self) -> dict:
         return {"attention": self.attention, "attention_max_rows": self.attention_max_rows,
                 "xla_block_diagonal": self.xla_block_diagonal, "matmul": self.matmul, "lm_head": self.lm_head,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), **({"interpret": True} if self.interpret else {})}
 
 
 XLA_PLAN = KernelPlan()
@@ -90,12 +92,13 @@ def kernel_choice(flag: str | None) -> KernelChoice:
 
 
 def resolve_kernel_plan(config: ModelConfig, backend: str, dtype, mesh_size: int, cache_kv_heads: int,
-                        tensor_parallel: bool, choice: KernelChoice = "auto") -> KernelPlan:
+                        tensor_parallel: bool, choice: KernelChoice = "auto", max_len: int | None = None) -> KernelPlan:
     """The plan for `config` served in `dtype` on `backend` ('cpu', 'gpu' or 'tpu') over `mesh_size` devices.
 
     `cache_kv_heads`: the kv heads the cache holds (G, or G repeated up to the model axis); `tensor_parallel`:
     the layers are split over more than one device (`TensorParallelLayout.groups > 1`).
-    `choice='xla'` takes the XLA form everywhere."""
+    `choice='xla'` takes the XLA form everywhere; `max_len`: the cache's positions per slot, when known (the
+    Pallas kernel reads a slot as pages that must tile it)."""
     notes: list[str] = []
     block_diagonal = (backend == "cpu" and not tensor_parallel
                       and cache_kv_heads <= BLOCK_DIAGONAL_MAX_KV_HEADS)
@@ -130,7 +133,10 @@ def resolve_kernel_plan(config: ModelConfig, backend: str, dtype, mesh_size: int
     elif backend == "gpu":
         from jaxspec.models import pallas_attention
 
-        limit = pallas_attention.unsupported_reason(config.head_dim, dtype, config.num_heads // config.num_kv_heads)
+        limit = pallas_attention.attention_limits(
+            platform="gpu", dtype=dtype, head_dim=config.head_dim, num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads, block_tokens=pallas_attention.MAX_STEP_TOKENS,
+            page_size=pallas_attention.SLOT_PAGE_SIZE, max_len=max_len)
         if limit is None:
             attention, max_rows = "pallas", pallas_attention.MAX_STEP_TOKENS
         else:

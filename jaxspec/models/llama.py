@@ -28,6 +28,7 @@ from jaxspec.models.cache_attention import cache_attention
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kernel_plan import XLA_PLAN, KernelPlan
 from jaxspec.models.kv_cache import KVCache
+from jaxspec.models.pallas_attention import WindowMask, slot_attention
 from jaxspec.models.panel_matmul import PanelWeight, dense, table_matmul
 from jaxspec.models.sharding import Placement, TensorParallelLayout
 
@@ -424,15 +425,16 @@ class Llama(nnx.Module):
     def forward_cached(self, inputs: StepInputs, cache: KVCache, window: int,
                        logits_at: jax.Array | None = None,
                        layers: tuple[dict, ...] | None = None,
-                       mask: jax.Array | None = None,
+                       mask: WindowMask | None = None,
                        kernels: KernelPlan = XLA_PLAN) -> tuple[jax.Array, KVCache]:
         """Write T new tokens per row into the cache and return their logits.
 
         Writes positions start..start+T-1 of each row's slot (lengths are NOT changed: the
         caller commits), attends over cache positions [0, window) masked by `window_mask`.
         `logits_at` [B, J] optionally selects which of the T positions to unembed; `layers`
-        optionally supplies per-layer weights (see `serving_split`); `mask` [B, T, W] replaces
-        `window_mask(inputs, window)` (a draft tree's level calls: `block_window_mask`); `kernels` the forms
+        optionally supplies per-layer weights (see `serving_split`); `mask` replaces the
+        step's own `WindowMask(inputs.step_mask, inputs.start, window)` (a draft tree's level calls attend to a
+        block of earlier nodes too); `kernels` the forms
         attention and the head take (jaxspec.models.kernel_plan).
         Returns logits [B, T or J, V] (fp32) and the updated cache.
         """
@@ -445,7 +447,7 @@ class Llama(nnx.Module):
     def forward_cached_hidden(self, inputs: StepInputs, cache: KVCache, window: int,
                               layers: tuple[dict, ...] | None = None,
                               embeds: jax.Array | None = None,
-                              mask: jax.Array | None = None,
+                              mask: WindowMask | None = None,
                               kernels: KernelPlan = XLA_PLAN) -> tuple[jax.Array, KVCache]:
         """`forward_cached` up to the last hidden state [B, T, D] (before the final norm: the feature a
         feature draft reads). `embeds` [B, T, D] replaces the token embedding as the first layer's input;
@@ -472,7 +474,8 @@ class Llama(nnx.Module):
         b, t = inputs.tokens.shape
         positions = inputs.start[:, None] + inputs.depth  # [B, T] RoPE positions
         write_pos = inputs.start[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] cache positions
-        mask = window_mask(inputs, window) if mask is None else mask  # [B, T, W]
+        mask = WindowMask(inputs.step_mask, inputs.start, window) if mask is None else mask
+        dense = mask.dense()  # [B, T, W] (the kernels that read the cache in place on GPU take `mask` itself)
         slots = inputs.slot_ids[:, None]  # [B, 1]
         if layers is None:  # static per-layer views of the stacked weights (drafts, tests)
             stacked = self._layer_params()
@@ -490,12 +493,13 @@ class Llama(nnx.Module):
             cv = vs[index].at[slots, write_pos].set(v.astype(vs[index].dtype), mode="drop")
             ks = ks[:index] + (ck,) + ks[index + 1:]
             vs = vs[:index] + (cv,) + vs[index + 1:]
-            if form == "cpu-cache-kernel":  # out: [B, T, N, H] from positions [0, W) of each row's slot, in place
-                return cache_attention(q, ck, cv, inputs.slot_ids, mask), (ks, vs)
-            if form != "xla":
-                raise ValueError(f"attention form {form!r} is not wired into forward_cached")
+            # out: [B, T, N, H] from positions [0, W) of each row's slot
+            if form == "cpu-cache-kernel":  # read in place by the XLA:CPU kernel
+                return cache_attention(q, ck, cv, inputs.slot_ids, dense), (ks, vs)
+            if form == "pallas":  # read in place by the Pallas kernel (pages of the slot, identity block table)
+                return slot_attention(q, ck, cv, inputs.slot_ids, mask, interpret=kernels.interpret), (ks, vs)
             kw, vw = ck[inputs.slot_ids, :window], cv[inputs.slot_ids, :window]  # [B, W, G, H]
-            return attention(q, kw, vw, mask, kernels.xla_block_diagonal), (ks, vs)
+            return attention(q, kw, vw, dense, kernels.xla_block_diagonal), (ks, vs)
 
         x = self.embed_tokens(inputs.tokens) if embeds is None else embeds  # [B, T, D]
         x, (ks, vs), collected = self._run_layers(x, positions, attend, (cache.k, cache.v), layers, collect)

@@ -36,6 +36,10 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MIN_DOT = 16
 # element offsets into a cache buffer must fit in int32 (the Triton lowering's index type; unverified on a GPU)
 MAX_CACHE_ELEMENTS = 2 ** 31 - 1
+SLOT_PAGE_SIZE = 16  # a per-slot cache read as pages of this many positions (`slot_attention`)
+# the kernel plan takes the kernel for calls of at most this many new tokens a row (decode, verify, tree steps;
+# larger prefill chunks keep the XLA form, whose dots a long chunk keeps busy)
+MAX_STEP_TOKENS = 64
 # a masked score: finite, so a block a query sees nothing of keeps its running max and adds exact zeros
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
@@ -226,7 +230,8 @@ def slot_block_table(slot_ids: jax.Array, max_len: int, window: int, page_size: 
 
 
 def slot_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, slot_ids: jax.Array, mask: WindowMask,
-                   *, page_size: int = 16, blocks: KernelBlocks | None = None, interpret: bool = False) -> jax.Array:
+                   *, page_size: int = SLOT_PAGE_SIZE, blocks: KernelBlocks | None = None,
+                   interpret: bool = False) -> jax.Array:
     """`cache_attention`'s interface for the kernel: q [B, T, N, H] over positions [0, W) of each row's slot in
     cache_k, cache_v [S+1, M, G, H] (slot_ids [B]) -> [B, T, N, H], read in place as pages of `page_size`."""
     max_len = cache_k.shape[1]

@@ -212,3 +212,48 @@ def test_limits_refuse_with_a_reason():
     mask = WindowMask(jnp.ones((1, 1, 1), bool), jnp.zeros((1,), jnp.int32), 16)
     with pytest.raises(ValueError, match="head_dim 96"):
         paged_attention(q, pages, pages, jnp.zeros((1, 1), jnp.int32), mask, interpret=True)
+
+
+def test_the_plan_takes_the_kernel_on_gpu_only():
+    from jaxspec.models.config import QWEN25_15B
+    from jaxspec.models.kernel_plan import resolve_kernel_plan
+
+    def plan(backend, **changes):
+        args = dict(dtype="bfloat16", mesh_size=1, cache_kv_heads=QWEN25_15B.num_kv_heads, tensor_parallel=False,
+                    max_len=2048)
+        return resolve_kernel_plan(QWEN25_15B, backend, **{**args, **changes})
+
+    assert plan("gpu").attention == "pallas" and plan("gpu").attention_form(9) == "pallas"
+    assert plan("gpu").attention_form(65) == "xla"  # a prefill chunk
+    assert plan("gpu", max_len=2040).attention == "xla" and "page size" in plan("gpu", max_len=2040).notes[0]
+    assert plan("gpu", choice="xla").attention == "xla"
+    assert plan("tpu").attention == "xla" and plan("cpu", dtype="bfloat16").attention == "xla"
+
+
+def test_forward_cached_with_the_kernel_equals_the_xla_form():
+    """The tiny model's cached forward traced with the Pallas plan (interpret mode) against the XLA plan: a
+    prompt chunk (XLA form in both: T past the kernel's rows), then a chain step and a tree step, reading
+    every layer's cache through the kernel."""
+    from jaxspec.models.config import TINY
+    from jaxspec.models.kernel_plan import XLA_PLAN, KernelPlan
+    from jaxspec.models.kv_cache import init_cache
+    from jaxspec.models.llama import StepInputs, chain_inputs, random_model
+
+    config = TINY.replace(head_dim=16)  # the kernel's smallest head dim
+    model = random_model(config, seed=5)
+    pallas = KernelPlan(attention="pallas", attention_max_rows=8, interpret=True)
+    slots = jnp.array([0, 2], jnp.int32)
+    prompt = jnp.asarray(np.random.default_rng(1).integers(2, config.vocab_size, (2, 12)), jnp.int32)
+    results = {}
+    for name, plan in (("xla", XLA_PLAN), ("pallas", pallas)):
+        cache = init_cache(config, 3, 64)
+        _, cache = model.forward_cached(chain_inputs(prompt, slots, jnp.zeros(2, jnp.int32)), cache, 32, kernels=plan)
+        chain, cache = model.forward_cached(chain_inputs(prompt[:, :3], slots, jnp.full(2, 12)), cache, 32,
+                                            kernels=plan)  # [2, 3, V]
+        tree_mask = jnp.asarray(_tree_mask(np.random.default_rng(2), 4))[None].repeat(2, 0)  # [2, 4, 4]
+        depth = jnp.sum(tree_mask, axis=-1).astype(jnp.int32) - 1  # [2, 4]
+        tree = StepInputs(prompt[:, 4:8], slots, jnp.full(2, 15), depth, tree_mask)
+        tree_logits, _ = model.forward_cached(tree, cache, 32, kernels=plan)  # [2, 4, V]
+        results[name] = (np.asarray(chain), np.asarray(tree_logits))
+    for got, want in zip(results["pallas"], results["xla"]):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)  # f32: summation order only (see above)

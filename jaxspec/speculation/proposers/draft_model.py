@@ -30,7 +30,8 @@ from flax import nnx
 
 from jaxspec.menu import TreeEnvelope
 from jaxspec.models.kv_cache import KVCache, init_cache
-from jaxspec.models.llama import Llama, ServingParams, StepInputs, block_window_mask, chain_inputs, serving_split
+from jaxspec.models.llama import Llama, ServingParams, StepInputs, chain_inputs, serving_split
+from jaxspec.models.pallas_attention import WindowMask
 from jaxspec.models.sharding import Placement
 from jaxspec.speculation import sampling
 from jaxspec.speculation import tree as tree_lib
@@ -157,7 +158,7 @@ class DraftModelProposer(Proposer):
             # RoPE position start + j for every fed node: depth offset j - 1 - first_slot from write_start
             inputs = StepInputs(token, ctx.slot_ids, write_start, jnp.full((b, a), j - 1 - first_slot, jnp.int32),
                                 jnp.broadcast_to(jnp.eye(a, dtype=bool), (b, a, a)))
-            mask = block_window_mask(frontier_anc, ctx.start + 1, window)  # [B, A, W]
+            mask = WindowMask(frontier_anc, ctx.start + 1, window)  # [B, A, U]: history, then earlier nodes
             logits, state = draft.forward_cached(inputs, state, window, layers=layers, mask=mask,
                                                  kernels=self.kernels)  # [B, A, V]
             child_score, child_token = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), a)  # [B, A, A]
