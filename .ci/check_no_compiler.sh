@@ -25,7 +25,7 @@ export CC=false CXX=false PATH="$tmp/no-compiler:$PATH"
 
 python3 -m venv "$tmp/venv"
 cd "$tmp/src"
-"$tmp/venv/bin/pip" install -q -v -e . >"$tmp/install.log" 2>&1 || { tail -50 "$tmp/install.log" >&2; exit 1; }
+"$tmp/venv/bin/pip" install -v -e . >"$tmp/install.log" 2>&1 || { tail -50 "$tmp/install.log" >&2; exit 1; }
 grep -q "the XLA:CPU kernel models._cache_attention was not built" "$tmp/install.log" ||
   { echo "check_no_compiler: the build log does not say the kernels were skipped" >&2; exit 1; }
 if ls models/_*.so >/dev/null 2>&1; then echo "check_no_compiler: a kernel was built: $(ls models/_*.so)" >&2; exit 1; fi
