@@ -16,11 +16,19 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxspec.engine.engine import Engine, enable_compilation_cache  # noqa: E402
+from jaxspec.models import cache_attention, panel_matmul  # noqa: E402
 from jaxspec.models.config import TINY  # noqa: E402
 from jaxspec.models.llama import random_model  # noqa: E402
 from jaxspec.types import SamplingParams  # noqa: E402
 
 enable_compilation_cache()
+
+# tests of the compiled XLA:CPU kernels and of what only they do: skipped (with the reason) in an install without
+# them (no C++ compiler at install; .ci/check_no_compiler.sh); .ci/run checks its own install has them
+needs_cpu_kernels = pytest.mark.skipif(
+    not (cache_attention.kernel_available() and panel_matmul.kernel_available()),
+    reason=f"the XLA:CPU kernels are not built: {cache_attention.kernel_unavailable_reason()}; "
+           f"{panel_matmul.kernel_unavailable_reason()}")
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from jaxspec.speculation.proposers.draft_model import DraftModelProposer
 from jaxspec.speculation.proposers.noisy import NoisyProposer
 from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
-from tests.conftest import decode, random_prompts, reference_greedy
+from tests.conftest import decode, needs_cpu_kernels, random_prompts, reference_greedy
 
 MENU = Menu(num_slots=8, max_len=128, batch_buckets=(1, 8), k_menu=(0, 1, 2, 3, 4, 5, 6, 8),
                     window_buckets=(128,), prefill_buckets=(32,))
@@ -69,6 +69,7 @@ def test_greedy_equals_plain_decoding(tiny_model, references, name):
         assert any(r > 0 for (k, _), r in rates.items() if k > 0), "nothing was ever accepted"
 
 
+@needs_cpu_kernels
 @pytest.mark.parametrize("name", ["ngram", "draft-self"])
 def test_greedy_equals_plain_decoding_with_the_table_head(name):
     """A tied embedding on XLA:CPU float32: the engine's LM head is the table kernel (and its layers panels);

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxspec.engine.api import prefill_prompt
 from jaxspec.engine.executables import CompiledMenu
-from jaxspec.engine.kernels import kernel_plan_for, report_missing_kernels
+from jaxspec.engine.kernels import kernel_plan_for
 from jaxspec.engine.step_bodies import PrefillInputs, StepBodies
 from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, PrefillKey, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec, make_mesh
@@ -103,7 +103,6 @@ class Engine:
         # the kernel plan (jaxspec.models.kernel_plan; docs/design.md, "The kernel plan"): resolved once here, passed
         # to every traced body; a model loaded for another plan's weight layout is refused by serving_split
         self.kernels = kernel_plan_for(target.config, mesh, kernels, max_len=menu.max_len)
-        report_missing_kernels(self.kernels)
         self._placement = serving_placement(self.mesh, layout, self.kernels)
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self._cache_config = target.config.replace(num_kv_heads=layout.kv_heads_for(target.config))

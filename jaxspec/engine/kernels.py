@@ -6,14 +6,10 @@ loads weights in the plan's layout (column panels or XLA's) and the engine trace
 
 from __future__ import annotations
 
-import sys
-
 from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kernel_plan import KernelChoice, KernelPlan, resolve_kernel_plan
 from jaxspec.models.sharding import plan_layout, replicated_layout
-
-_REPORTED: set[str] = set()  # notes already printed (each once per process)
 
 
 def kernel_plan_for(config: ModelConfig, mesh: MeshSpec, choice: KernelChoice = "auto",
@@ -25,11 +21,3 @@ def kernel_plan_for(config: ModelConfig, mesh: MeshSpec, choice: KernelChoice = 
     return resolve_kernel_plan(config, backend=device_mesh.devices.flat[0].platform, dtype=config.dtype,
                                mesh_size=device_mesh.size, cache_kv_heads=layout.kv_heads_for(config),
                                tensor_parallel=layout.groups > 1, choice=choice, max_len=max_len)
-
-
-def report_missing_kernels(plan: KernelPlan) -> None:
-    """Say once on stderr why a kernel the backend has was not built (the XLA form runs instead)."""
-    for note in plan.notes:
-        if "not built" in note and note not in _REPORTED:
-            _REPORTED.add(note)
-            print(f"jaxspec: {note}", file=sys.stderr)

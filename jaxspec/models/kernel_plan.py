@@ -109,27 +109,30 @@ def resolve_kernel_plan(config: ModelConfig, backend: str, dtype, mesh_size: int
     matmul: MatmulForm = "xla"
     head: HeadForm = "xla"
     if backend == "cpu":
-        from jaxspec.models import cache_attention, panel_matmul
+        from jaxspec.models import cache_attention, cpu_kernels, panel_matmul
 
         cpu_reason = None
         if jnp.dtype(dtype) != jnp.float32:
             cpu_reason = f"the XLA:CPU kernels take float32, not {jnp.dtype(dtype).name}"
         elif mesh_size != 1:
             cpu_reason = f"the XLA:CPU kernels run on one device, not a mesh of {mesh_size}"
+        if cpu_reason is None and not cache_attention.head_dim_supported(config.head_dim):
+            cpu_reason = f"the XLA:CPU attention kernel takes head dims that are multiples of 8 up to " \
+                         f"{cache_attention.MAX_HEAD_DIM}, not {config.head_dim}"
         if cpu_reason is not None:
             notes.append(cpu_reason)
         else:
-            available, why = cache_attention.kernel_available()
-            if available:
+            if cache_attention.kernel_available():
                 attention, max_rows = "cpu-cache-kernel", cache_attention.MAX_STEP_TOKENS
             else:
-                notes.append(why)
-            available, why = panel_matmul.kernel_available()
-            if available:
+                notes.append(cache_attention.kernel_unavailable_reason())
+            if panel_matmul.kernel_available():
                 matmul = "cpu-panels"
                 head = "cpu-table" if config.tie_embeddings else "xla"
-            elif why not in notes:
-                notes.append(why)
+            else:
+                notes.append(panel_matmul.kernel_unavailable_reason())
+            if attention == "xla" or matmul == "xla":
+                cpu_kernels.note_xla_form()  # once per process, on stderr: why, and how to get the kernels
     elif backend == "gpu":
         from jaxspec.models import pallas_attention
 

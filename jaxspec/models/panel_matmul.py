@@ -12,6 +12,9 @@ Serving weights are packed where they are placed (`jaxspec.models.sharding.Place
 kernel plan says so (XLA:CPU, float32, one device: jaxspec.models.kernel_plan); the layers then call `dense`, which
 takes either form. The LM head of a tied embedding needs no packing: `table_matmul` multiplies by the embedding
 [V, D] as it lies, 64 rows at a time (`jaxspec.models.llama.Llama.unembed` with the plan's `cpu-table` head).
+
+The kernels are optional (built by setup.py where a C++17 compiler works): `kernel_available()` says whether this
+install has them and `kernel_unavailable_reason()` why not; without them the weights keep XLA's layout.
 """
 
 from __future__ import annotations
@@ -23,12 +26,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models import _panel_matmul  # built by setup.py from jaxspec/models/csrc/panel_matmul.cc
+from jaxspec.models import cpu_kernels
+
+try:
+    from jaxspec.models import _panel_matmul  # built by setup.py from jaxspec/models/csrc/panel_matmul.cc
+except ImportError as error:
+    _panel_matmul = None
+    cpu_kernels.record_missing("_panel_matmul", error)
 
 TARGET = "jaxspec_panel_matmul"
 TABLE_TARGET = "jaxspec_table_matmul"
-jax.ffi.register_ffi_target(TARGET, _panel_matmul.handler(), platform="cpu")
-jax.ffi.register_ffi_target(TABLE_TARGET, _panel_matmul.table_handler(), platform="cpu")
+if _panel_matmul is not None:
+    jax.ffi.register_ffi_target(TARGET, _panel_matmul.handler(), platform="cpu")
+    jax.ffi.register_ffi_target(TABLE_TARGET, _panel_matmul.table_handler(), platform="cpu")
 
 PANEL = 64  # columns per panel
 # the fused serving weights stored as panels, and how many leading dims of each are contracted
@@ -58,9 +68,20 @@ class PanelWeight:
         return self.panels.dtype
 
 
-def kernel_available() -> tuple[bool, str]:
-    """(whether the compiled kernel is importable here, why not)."""
-    return True, ""
+def kernel_available() -> bool:
+    """Whether this install has the compiled panel and table kernels (setup.py builds them where a C++17 compiler
+    works)."""
+    return _panel_matmul is not None
+
+
+def kernel_unavailable_reason() -> str | None:
+    """Why the compiled kernels are not available, or None if they are."""
+    return cpu_kernels.unavailable_reason("_panel_matmul")
+
+
+def _require_kernels(name: str) -> None:
+    if not kernel_available():
+        raise RuntimeError(f"{name}: {kernel_unavailable_reason()}; {cpu_kernels.HOW_TO_GET_THEM}")
 
 
 def pack_panels(weight: np.ndarray | jax.Array, contracted_dims: int = 1) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -87,6 +108,7 @@ def unpack_panels(weight: PanelWeight) -> jax.Array:
 
 def panel_matmul(x: jax.Array, weight: PanelWeight) -> jax.Array:
     """x [..., K] @ weight -> [..., *out] (float32 in and out)."""
+    _require_kernels("panel_matmul")
     if x.shape[-1] != weight.k_len:
         raise ValueError(f"panel_matmul: x has {x.shape[-1]} columns, the weight {weight.k_len} rows")
     lead = x.shape[:-1]
@@ -99,6 +121,7 @@ def panel_matmul(x: jax.Array, weight: PanelWeight) -> jax.Array:
 def table_matmul(x: jax.Array, table: jax.Array) -> jax.Array:
     """x [..., D] @ table [V, D] transposed -> [..., V] (float32 in and out), reading the table where it lies;
     each output is summed in the same order whatever the number of rows."""
+    _require_kernels("table_matmul")
     if table.ndim != 2 or x.shape[-1] != table.shape[1] or table.dtype != jnp.float32:
         raise ValueError(f"table_matmul: x {x.shape} and table {table.dtype} {table.shape} do not agree "
                          "(expected x [..., D] and a float32 table [V, D])")
@@ -117,5 +140,5 @@ def dense(x: jax.Array, weight: jax.Array | PanelWeight, spec: str) -> jax.Array
     return jnp.einsum(spec, x, weight)
 
 
-__all__ = ["CONTRACTED_DIMS", "PANEL", "PanelWeight", "dense", "pack_panels", "panel_matmul", "table_matmul",
-           "unpack_panels", "kernel_available"]
+__all__ = ["CONTRACTED_DIMS", "PANEL", "PanelWeight", "dense", "kernel_available", "kernel_unavailable_reason",
+           "pack_panels", "panel_matmul", "table_matmul", "unpack_panels"]

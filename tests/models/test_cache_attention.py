@@ -10,11 +10,13 @@ import pytest
 
 from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu, StepKey
-from jaxspec.models.cache_attention import MAX_STEP_TOKENS, TARGET, cache_attention
+from jaxspec.models.cache_attention import MAX_HEAD_DIM, MAX_STEP_TOKENS, TARGET, cache_attention, head_dim_supported
 from jaxspec.models.config import TINY
 from jaxspec.models.kernel_plan import resolve_kernel_plan
 from jaxspec.models.llama import attention
-from tests.conftest import decode, random_prompts
+from tests.conftest import decode, needs_cpu_kernels, random_prompts
+
+pytestmark = needs_cpu_kernels  # every test here runs the compiled kernels
 
 S1, M = 5, 640  # cache slots (+ scratch) and positions
 
@@ -77,6 +79,50 @@ def test_each_query_row_is_independent_of_the_rest_of_the_call(w):
             alone = jax.jit(cache_attention)(q[row:row + 1, t:t + 1], k, v, slots[row:row + 1],
                                              mask[row:row + 1, t:t + 1])
             np.testing.assert_array_equal(np.asarray(alone)[0, 0], together[row, t])
+
+
+def _random_case(rng: np.random.Generator):
+    """A random call: B rows of T ≤ MAX_STEP_TOKENS tokens over a window W of 1 to 3 chunks and a bit (mostly not
+    a multiple of 8), G kv heads of R query heads each, a head dim the kernel takes, and one of the mask kinds."""
+    b = int(rng.integers(1, 4))
+    t = int(rng.choice([1, 2, int(rng.integers(3, MAX_STEP_TOKENS)), MAX_STEP_TOKENS]))
+    w = int(rng.choice([1, t, int(rng.integers(1, 400))]))
+    g, r = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+    h = int(rng.choice([8, 24, 64, 128]))
+    mask_kind = "causal" if w >= t and rng.random() < 0.4 else str(rng.choice(["arbitrary", "gaps"]))
+    return (b, t, w, g * r, g, h, mask_kind), _case(b, t, w, g * r, g, h, mask_kind, seed=int(rng.integers(1 << 30)))
+
+
+def test_a_random_sweep_of_shapes_equals_the_xla_form():
+    """Random shapes and masks (seeded): T up to the largest step the kernel serves, windows of 1 and of no
+    multiple of 8, gaps of whole chunks, one to four kv heads; each call against the XLA form."""
+    rng = np.random.default_rng(42)
+    for _ in range(16):
+        shape, args = _random_case(rng)
+        got = np.asarray(jax.jit(cache_attention)(*args))
+        want = np.asarray(jax.jit(_xla_form)(*args))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=f"(B, T, W, N, G, H, mask) = {shape}")
+
+
+def test_an_empty_window_gives_zeros():
+    """W = 0: no position to attend, zeros as in the XLA form (a softmax over nothing, times no values)."""
+    q, k, v, slots, _ = _case(2, 3, 8, 6, 2, 64, "arbitrary")
+    mask = jnp.zeros((2, 3, 0), jnp.bool_)
+    got = np.asarray(jax.jit(cache_attention)(q, k, v, slots, mask))
+    np.testing.assert_array_equal(got, np.zeros((2, 3, 6, 64), np.float32))
+    np.testing.assert_array_equal(np.asarray(_xla_form(q, k, v, slots, mask)), got)
+
+
+@pytest.mark.parametrize("h", [12, 264])
+def test_head_dims_the_kernel_does_not_take_are_refused(h):
+    """Head dims that are not a multiple of 8, or above MAX_HEAD_DIM: an error naming the head dim, and the
+    kernel plan keeps the XLA form for such a model."""
+    q, k, v, slots, mask = _case(1, 1, 16, 2, 1, h, "causal")
+    plan = resolve_kernel_plan(TINY.replace(head_dim=h), "cpu", "float32", 1, TINY.num_kv_heads, False)
+    assert not head_dim_supported(h) and plan.attention == "xla" and f"not {h}" in plan.notes[0]
+    with pytest.raises(Exception, match=f"head dim {h} is not a multiple of 8 in \\[8, {MAX_HEAD_DIM}\\]"):
+        jax.block_until_ready(jax.jit(cache_attention)(q, k, v, slots, mask))
+    assert head_dim_supported(MAX_HEAD_DIM) and head_dim_supported(8)
 
 
 def test_a_slot_id_outside_the_cache_is_an_error():

@@ -25,6 +25,9 @@ from jaxspec.models.panel_matmul import (
     unpack_panels,
 )
 from jaxspec.models.sharding import Placement
+from tests.conftest import needs_cpu_kernels
+
+pytestmark = needs_cpu_kernels  # every test here runs the compiled kernels
 
 # (K, N): whole panels, a last panel partly padding, a single narrow panel, a weight large enough to be split
 # over threads (≥ 1 MB), and a long contraction
@@ -164,3 +167,19 @@ def test_the_table_head_needs_a_tied_embedding():
     model = random_model(TINY.replace(name="untied-head", tie_embeddings=False), seed=13)
     with pytest.raises(ValueError, match="needs a tied embedding"):
         model.unembed(jnp.ones((1, 1, TINY.hidden_size), jnp.float32), KernelPlan(lm_head="cpu-table"))
+
+
+
+def test_a_random_sweep_of_shapes_matches_float64():
+    """Random (seeded) M ≤ 64 rows, K and N / D and V of no particular multiple, both kernels against float64."""
+    rng = np.random.default_rng(14)
+    for _ in range(8):
+        m_rows, k_len, n_len = (int(rng.integers(1, hi)) for hi in (65, 300, 300))
+        x = rng.standard_normal((m_rows, k_len)).astype(np.float32)  # [M, K]
+        w = rng.standard_normal((k_len, n_len)).astype(np.float32)  # [K, N]
+        expected = x.astype(np.float64) @ w.astype(np.float64)  # [M, N]
+        tolerance = 2e-6 * np.sqrt(k_len) * np.abs(expected).max()
+        got = np.asarray(jax.jit(panel_matmul)(jnp.asarray(x), PanelWeight(jnp.asarray(pack_panels(w)[0]), w.shape)))
+        np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance, err_msg=f"panels {x.shape, w.shape}")
+        got = np.asarray(jax.jit(table_matmul)(jnp.asarray(x), jnp.asarray(np.ascontiguousarray(w.T))))  # table [N, K]
+        np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance, err_msg=f"table {x.shape, w.shape}")

@@ -214,7 +214,8 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
     }
   }
   // 2. each attending query's weights over the chunk: e = exp(score - top), their total as eight partial sums
-  //    folded in halves (padding to a multiple of 8 adds exact zeros)
+  //    folded in halves (the padding to a multiple of 8 weighs exact zeros, also for a query that sees nothing,
+  //    whose top is the masked score itself)
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = std::min(w_begin + kChunk, queries[i].w_end) - w_begin, n_padded = (n + 7) / 8 * 8;
     if (n <= 0) continue;
@@ -226,7 +227,8 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
                                std::max(std::max(top8[4], top8[5]), std::max(top8[6], top8[7])));
     F8 sums = {};
     for (int64_t w = 0; w < n_padded; w += 8) {
-      const F8 e = ExpNonPositive8(Load8(scores_i + w) - top);
+      F8 e = ExpNonPositive8(Load8(scores_i + w) - top);
+      for (int64_t l = std::max<int64_t>(n - w, 0); l < 8; ++l) e[l] = 0.0f;  // positions past n
       std::memcpy(scores_i + w, &e, sizeof e);
       sums += e;
     }
@@ -254,11 +256,15 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
 }
 
 // A query's output from its partials, in chunk order: with a_c = exp(top_c - top),
-// out = (sum_c a_c · acc_c) / (sum_c a_c · total_c).
+// out = (sum_c a_c · acc_c) / (sum_c a_c · total_c). An empty window (W = 0) gives zeros, as the XLA form does.
 template <int64_t kH>
 static inline __attribute__((always_inline)) void MergeBody(const Query& query, int64_t h_run_time) {
   constexpr int64_t kMaxChunks = (kH > 0 ? kH : kMaxHeadDim) / 8;
   const int64_t h = kH > 0 ? kH : h_run_time;
+  if (query.w_end == 0) {
+    std::memset(query.out, 0, static_cast<size_t>(h) * sizeof(float));
+    return;
+  }
   const int64_t chunks = h / 8, n_chunks = (query.w_end + kChunk - 1) / kChunk;
   float top = std::numeric_limits<float>::lowest();
   for (int64_t c = 0; c < n_chunks; ++c) top = std::max(top, query.partials[c * PartialSize(h)]);
@@ -279,10 +285,17 @@ static inline __attribute__((always_inline)) void MergeBody(const Query& query, 
 
 // The entry points: the head dims of the supported models unrolled, any other (a multiple of 8) at run
 // time. On x86-64 each is compiled three times (AVX-512, AVX2 + FMA, baseline), the variant picked at load time;
-// elsewhere (aarch64 hosts) once, for the compiler's default target.
-#if defined(__x86_64__)
+// elsewhere (aarch64 hosts, compilers or C libraries without them) once, for the compiler's
+// default target.
+// The variants need function multiversioning (an ifunc: ELF, glibc) and a compiler that has it; setup.py builds
+// again with JAXSPEC_NO_TARGET_CLONES where a compile with them fails.
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GLIBC__) && defined(__has_attribute) && \
+    !defined(JAXSPEC_NO_TARGET_CLONES)
+#if __has_attribute(target_clones)
 #define JAXSPEC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
+#endif
+#endif
+#ifndef JAXSPEC_CLONES
 #define JAXSPEC_CLONES
 #endif
 #define JAXSPEC_ATTEND_ARGS \
@@ -366,9 +379,12 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int64_t s_slots = kd[0], m_len = kd[1], g_heads = kd[2];
   const int64_t w_len = md[2];
   if (kd[3] != h_dim || md[0] != b_rows || md[1] != t_len || w_len > m_len || g_heads <= 0 ||
-      n_heads % g_heads != 0 || h_dim > kMaxHeadDim || h_dim % 8 != 0 ||
-      slots.element_count() != static_cast<size_t>(b_rows)) {
+      n_heads % g_heads != 0 || slots.element_count() != static_cast<size_t>(b_rows)) {
     return ffi::Error::InvalidArgument("cache_attention: shapes do not agree");
+  }
+  if (h_dim <= 0 || h_dim > kMaxHeadDim || h_dim % 8 != 0) {
+    return ffi::Error::InvalidArgument("cache_attention: head dim " + std::to_string(h_dim) +
+                                       " is not a multiple of 8 in [8, " + std::to_string(kMaxHeadDim) + "]");
   }
   for (int64_t b = 0; b < b_rows; ++b) {
     const int64_t slot = slots.typed_data()[b];
@@ -461,6 +477,7 @@ static PyMethodDef kMethods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cache_attention", nullptr, -1, kMethods};
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cache_attention", nullptr, -1, kMethods,
+                               nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__cache_attention() { return PyModule_Create(&kModule); }
