@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 host devices for the mesh tests (tests/test_mesh.py); an engine uses only the devices its mesh names
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), "jaxspec-test-xla"))
+
+
+def private_cache_dir() -> str:
+    """The suite's XLA compilation cache: ~/.cache/jaxspec/test-xla, created private (0700). Not a shared /tmp
+    path: another user could create that name first and plant executables the tests would load."""
+    path = os.path.join(os.path.expanduser("~"), ".cache", "jaxspec", "test-xla")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", private_cache_dir())
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
