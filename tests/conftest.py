@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 host devices for the mesh tests (tests/test_mesh.py); an engine uses only the devices its mesh names
@@ -30,6 +32,16 @@ from models.config import TINY  # noqa: E402
 from models.llama import random_model  # noqa: E402
 
 enable_compilation_cache()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; AssertionError naming `what` after `timeout` seconds. Tests wait for
+    a condition this way, never with a fixed sleep (a loaded machine makes any fixed sleep too short)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="session")
