@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import time
+from collections.abc import Callable
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 host devices for the mesh tests (tests/test_mesh.py); an engine uses only the devices its mesh names
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", os.path.join(tempfile.gettempdir(), "jaxspec-test-xla"))
+
+
+def private_cache_dir() -> str:
+    """The suite's XLA compilation cache: ~/.cache/jaxspec/test-xla, created private (0700). Not a shared /tmp
+    path: another user could create that name first and plant executables the tests would load."""
+    path = os.path.join(os.path.expanduser("~"), ".cache", "jaxspec", "test-xla")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", private_cache_dir())
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -29,6 +40,16 @@ needs_cpu_kernels = pytest.mark.skipif(
     not (cache_attention.kernel_available() and panel_matmul.kernel_available()),
     reason=f"the XLA:CPU kernels are not built: {cache_attention.kernel_unavailable_reason()}; "
            f"{panel_matmul.kernel_unavailable_reason()}")
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; AssertionError naming `what` after `timeout` seconds. Tests wait for
+    a condition this way, never with a fixed sleep (a loaded machine makes any fixed sleep too short)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="session")

@@ -16,12 +16,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from jaxspec.engine.distributed import CONTROL_PORT_OFFSET, DistributedSpec, decode_params, encode_params
+from jaxspec.engine.distributed import (
+    CONTROL_PORT_OFFSET,
+    DistributedSpec,
+    FollowerLink,
+    LeaderLink,
+    control_key,
+    decode_params,
+    encode_params,
+)
 from jaxspec.types import SamplingParams
 
 pytestmark = pytest.mark.slow  # ~2 minutes on 2 CPU cores: four two-process jobs
@@ -187,17 +196,63 @@ def test_leader_death_stops_the_follower(work):
 
 # --- fast checks (no processes) ----------------------------------------------------------------
 
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def test_off_loopback_the_control_channel_needs_a_shared_secret(tmp_path):
+    for coordinator in ("10.0.0.1:1234", "jaxspec-leader.invalid:1234"):  # an address, an unresolvable name
+        with pytest.raises(ValueError, match="off loopback.*JAXSPEC_DIST_SECRET"):
+            DistributedSpec.from_values(coordinator, 2, 1, env={})
+        assert DistributedSpec.from_values(coordinator, 2, 1, env={"JAXSPEC_DIST_SECRET": SECRET}).enabled
+    for coordinator in ("127.0.0.1:1234", "localhost:1234", "[::1]:1234"):  # loopback: no secret needed
+        assert DistributedSpec.from_values(coordinator, 2, 0, env={}).secret is None
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")
+    from_file = DistributedSpec.from_values("10.0.0.1:1234", 2, 0, env={"JAXSPEC_DIST_SECRET_FILE": str(secret_file)})
+    assert from_file.secret == SECRET.encode() and SECRET not in repr(from_file)
+    assert control_key(from_file) == control_key(DistributedSpec("10.0.0.1:1234", 2, 1, secret=SECRET.encode()))
+    assert control_key(from_file) != control_key(DistributedSpec("10.0.0.1:1234", 2, 1, secret=b"x" * 32))
+    assert SECRET.encode() not in control_key(from_file)
+    for env, message in (({"JAXSPEC_DIST_SECRET": SECRET, "JAXSPEC_DIST_SECRET_FILE": str(secret_file)}, "not both"),
+                         ({"JAXSPEC_DIST_SECRET": "short"}, "at least 16 bytes"),
+                         ({"JAXSPEC_DIST_SECRET_FILE": str(tmp_path / "missing")}, "cannot read")):
+        with pytest.raises(ValueError, match=message):
+            DistributedSpec.from_values("10.0.0.1:1234", 2, 0, env=env)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET.encode()], ids=["loopback-without-secret", "with-secret"])
+def test_control_channel_admits_the_key_and_refuses_a_wrong_one(secret):
+    """The leader's control channel on 127.0.0.1 (threads, no jax): a follower with a wrong secret is refused,
+    on both sides, and the leader keeps accepting; the right one joins."""
+    coordinator = f"127.0.0.1:{free_port_pair()}"
+    leader_spec = DistributedSpec(coordinator, 2, 0, secret=secret)
+    leader: dict[str, LeaderLink] = {}
+    accepting = threading.Thread(target=lambda: leader.setdefault("link", LeaderLink.accept(leader_spec)))
+    accepting.start()
+    with pytest.raises(RuntimeError, match="did not accept this process's key"):
+        FollowerLink.connect(DistributedSpec(coordinator, 2, 1, secret=b"a wrong secret, 32 bytes long..."))
+    follower = FollowerLink.connect(DistributedSpec(coordinator, 2, 1, secret=secret))
+    accepting.join(30)
+    assert not accepting.is_alive() and "link" in leader
+    leader["link"].send("free", {"slot": 3})
+    assert follower.next_call()["call"] == "free"
+    leader["link"].close()
+    assert follower.next_call()["call"] == "stop"  # the reader thread ends: its disconnect is expected
+    follower._conn.close()
+
 
 def test_spec_from_flags_and_env():
-    env = {"JAXSPEC_COORDINATOR": "10.0.0.1:1234", "JAXSPEC_NUM_PROCESSES": "4", "JAXSPEC_PROCESS_ID": "3"}
+    env = {"JAXSPEC_COORDINATOR": "10.0.0.1:1234", "JAXSPEC_NUM_PROCESSES": "4", "JAXSPEC_PROCESS_ID": "3",
+           "JAXSPEC_DIST_SECRET": SECRET}
     spec = DistributedSpec.from_values(env=env)
     assert (spec.coordinator, spec.num_processes, spec.process_id, spec.is_leader) == ("10.0.0.1:1234", 4, 3, False)
     assert spec.control_address == ("10.0.0.1", 1234 + CONTROL_PORT_OFFSET)
     flags = argparse.Namespace(coordinator="h:99", num_processes=2, process_id=0)
-    assert DistributedSpec.from_args(flags, env=env) == DistributedSpec("h:99", 2, 0)
+    assert DistributedSpec.from_args(flags, env=env) == DistributedSpec("h:99", 2, 0, secret=SECRET.encode())
     assert not DistributedSpec.from_values(env={}).enabled
     for bad in ({"num_processes": 2}, {"coordinator": "h", "num_processes": 2},
-                {"coordinator": "h:1", "num_processes": 2, "process_id": 2}):
+                {"coordinator": "h:1", "num_processes": 2},  # off loopback without a secret
+                {"coordinator": "h:1", "num_processes": 2, "process_id": 2, "secret": SECRET.encode()}):
         with pytest.raises(ValueError):
             DistributedSpec(**bad)
     with pytest.raises(ValueError, match="JAXSPEC_NUM_PROCESSES"):

@@ -15,7 +15,8 @@ x_0 over all rows, and for each cap c and position j <= min(c, 3), x_j over that
 
 Power. The same N, V and (at most) m = 8 tests as tests/test_sampling_distribution.py: a 0.5-point bias in
 x_0 is caught with power >= 0.989 (its docstring). Shown here: the same engine with a tree verify whose first
-token is biased by 0.5 points is rejected at the seeds where the real one passes.
+token is biased by 0.5 points is rejected at the seeds where the real one passes, and so is one that scores every
+node with the root's logits (a later-position error: caught at a later position, on N / 16 rows).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from tests.test_feature_draft_distribution import (
     emit_rows,
     expected_after,
     judge,
+    later_position,
 )
-from tests.test_sampling_distribution import biased_first_token
+from tests.test_sampling_distribution import N, biased_first_token
 
 ENVELOPE = TreeEnvelope(6, 3)
 CAPS, SLOTS = (6, 6, 2, 0), 512
@@ -58,14 +60,21 @@ def _first_token_biased(logits, tokens, parents, depth, rows, max_depth):
     return out, jnp.where(move, 1, counts), path
 
 
-@pytest.mark.parametrize("biased", [False, True], ids=["exact", "first-token-biased"])
-def test_draft_tree_steps_preserve_the_target_at_every_position(biased, monkeypatch):
+def _judged_by_the_root(logits, tokens, parents, depth, rows, max_depth):
+    """Broken: every node is accepted against and sampled from the root's distribution (position 0's)."""
+    return verify_tree(jnp.broadcast_to(logits[:, :1], logits.shape), tokens, parents, depth, rows, max_depth)
+
+
+@pytest.mark.parametrize("broken,rows", [(None, N), (_first_token_biased, N), (_judged_by_the_root, N // 16)],
+                         ids=["exact", "first-token-biased", "judged-by-the-root"])
+def test_draft_tree_steps_preserve_the_target_at_every_position(broken, rows, monkeypatch):
+    biased = broken is not None
     if biased:  # the engine's step traces `verify_tree` when it compiles: swap in the broken one
-        monkeypatch.setattr(engine_module, "verify_tree", _first_token_biased)
+        monkeypatch.setattr(engine_module, "verify_tree", broken)
     target = random_model(TARGET_CONFIG, seed=3)
     engine = Engine(target, DraftModelProposer(target), MENU)
     engine.warmup(progress=False)
-    tokens, counts, caps, pending = emit_rows(engine, ENVELOPE.nodes, CAPS, CONFIG)
+    tokens, counts, caps, pending = emit_rows(engine, ENVELOPE.nodes, CAPS, CONFIG, rows)
     deepest = int(counts.max()) - 1  # every row has the same tree (one context): its deepest accepted path
     if not biased:  # structure, and not vacuous: paths 2+ deep, full-path rows and rejections at every capped cap
         assert deepest >= 2 and np.all((counts >= 1) & (counts <= np.minimum(caps, ENVELOPE.depth) + 1))
@@ -79,4 +88,5 @@ def test_draft_tree_steps_preserve_the_target_at_every_position(biased, monkeypa
     assert set(results) >= ({"x0, all rows", "cap 2, x0", "cap 2, x1", "cap 0, x0 (bonus)"}
                             | {f"cap 6, x{j}" for j in range(deepest + 1)})
     assert len(results) <= 8  # the power computation's m
-    judge(results, broken=biased)
+    # the root's judge draws x_0 right: it must be caught at a later position
+    judge(results, broken=biased, caught_by=later_position if broken is _judged_by_the_root else lambda name: True)

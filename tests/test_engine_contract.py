@@ -18,6 +18,7 @@ from jaxspec.types import SamplingParams
 MENU = Menu(num_slots=4, max_len=64, batch_buckets=(1, 4), k_menu=(0, 2, 3), window_buckets=(32, 64),
             prefill_buckets=(8, 16))
 GREEDY = SamplingParams()
+HELD_MATMULS = 1000  # [256, 256] matmuls a slowed prefill chunk runs (test_a_prefill_chunk_has_run_when_it_returns)
 
 
 @pytest.fixture(scope="module", params=["jax", "fake"])
@@ -134,12 +135,33 @@ def test_fake_engine_output_is_hand_checkable():
     np.testing.assert_array_equal(fake.step([0], 3).counts, [3])  # accept 2 of 3, plus the bonus
 
 
-def test_a_prefill_chunk_has_run_when_it_returns(fresh):
+def test_a_prefill_chunk_has_run_when_it_returns(fresh, monkeypatch):
     """The step timings the cost model learns from must not include a prompt chunk left in flight: every output
-    is ready when the call returns. (On the tiny model an unwaited chunk can finish before the check, so this
-    catches the defect only when the chunk outlasts the call; the contract it states is exact.)"""
-    assert fresh.prefill_chunk(0, np.arange(5, 5 + MENU.largest_chunk, dtype=np.int32), 0, False, GREEDY, 0) is None
-    if isinstance(fresh, Engine):
-        import jax
+    is ready when the call returns. The JAX engine's chunk is made slow (its outputs pass through HELD_MATMULS
+    chained matmuls, about a second of XLA:CPU work dispatched asynchronously), so a chunk left in flight is
+    still running when the test looks, however fast the tiny model's own chunk is. (A host callback cannot hold
+    it instead: XLA:CPU runs an executable with one synchronously.)"""
+    chunk = np.arange(5, 5 + MENU.largest_chunk, dtype=np.int32)  # [C] a whole non-last chunk
+    if not isinstance(fresh, Engine):  # the fake engine computes on the host, in the call
+        assert fresh.prefill_chunk(0, chunk, 0, False, GREEDY, 0) is None
+        return
+    import jax
+    import jax.numpy as jnp
 
-        assert all(x.is_ready() for x in jax.tree.leaves(fresh.state))
+    @jax.jit
+    def slowed(outputs):
+        """`outputs`, each a fresh array (no input is forwarded as is) computed after the matmul chain."""
+        def body(_, m):  # [256, 256] f32, renormalised every round
+            m = m @ m
+            return m / jnp.max(jnp.abs(m))
+
+        m = jax.lax.fori_loop(0, HELD_MATMULS, body, jnp.full((256, 256), 1 / 256, jnp.float32))  # [256, 256]
+        zero = (m[0, 0] * 0).astype(jnp.int32)  # [] 0, known only once the chain has run
+        return jax.tree.map(lambda x: x | (zero != 0) if x.dtype == jnp.bool_ else x + zero.astype(x.dtype), outputs)
+
+    compiled = fresh._executable
+    monkeypatch.setattr(fresh, "_executable", lambda key: lambda *args: slowed(compiled(key)(*args)))
+    assert fresh.prefill_chunk(0, chunk, 0, False, GREEDY, 0) is None
+    pending = [x for x in jax.tree.leaves(fresh.state) if not x.is_ready()]
+    if pending:
+        pytest.fail(f"{len(pending)} state arrays still in flight when prefill_chunk returned")

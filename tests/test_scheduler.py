@@ -32,6 +32,7 @@ from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig, StepStats
 from jaxspec.speculation.proposers.draft_model import DraftModelProposer
 from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
+from tests.conftest import wait_until
 from tests.fake_tokenizer import ASCII_ALPHABET, EOS, ascii_tokenizer, multibyte_tokenizer
 
 MAX_LEN = 64
@@ -460,8 +461,10 @@ def test_loop_thread_blocks_when_idle_and_stops_cleanly():
     for t in threads:
         t.join()
     assert not errors and sorted(r.token_ids for r in results) == [tuple(range(7 + i, 12 + i)) for i in range(6)]
+    # every slot freed and nothing queued: the loop's next wait is the idle one (its iteration already counted)
+    wait_until(lambda: sched.num_running == 0 and sched.num_live == 0, what="the scheduler to go idle")
     idle_from = sched.iterations
-    time.sleep(0.3)
+    time.sleep(0.3)  # an observation window: an idle loop must not iterate in it
     assert sched.iterations == idle_from  # asleep on the condition, not spinning
     running = sched.submit(Request("late", [5, 6], SamplingParams(max_tokens=50, ignore_eos=True)))
     sched.stop()

@@ -10,10 +10,13 @@ the call and its host arguments to every other process, then makes it itself. Th
 `follow(engine, link)`: they make each received call on their own engine, so every process calls the same
 executables in the same order with the same host inputs; outputs are read on process 0 only.
 
-Control channel: the leader listens on the coordinator's host at the coordinator's port + 1
-(`CONTROL_PORT_OFFSET`) with `multiprocessing.connection` (HMAC handshake with the key in
-$JAXSPEC_DIST_AUTHKEY, else one derived from the coordinator address: this keeps unrelated jobs apart, it
-is not a secret). Messages are JSON (never pickle), each with a sequence number the follower checks.
+Control channel: the leader listens on the coordinator's host (the address the followers dial) at the
+coordinator's port + 1 (`CONTROL_PORT_OFFSET`) with `multiprocessing.connection`: an HMAC challenge both ways
+(a follower proves the key to the leader, the leader to the follower) with `control_key`, derived from a
+secret shared out of band ($JAXSPEC_DIST_SECRET or the file $JAXSPEC_DIST_SECRET_FILE, never a flag: argv is
+public). Off loopback the run refuses to start without one; on loopback, without one, the key is derived from
+the coordinator address alone (it keeps unrelated local runs apart; it is not a secret). Messages are JSON
+(never pickle), each with a sequence number the follower checks.
 
 Failure (measured on CPU, 2 processes on 127.0.0.1):
 - A follower dies: the leader's watchdog thread reads EOF on its connection at once and the leader exits 1
@@ -35,14 +38,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import hmac
+import ipaddress
 import json
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, NoReturn
 
@@ -55,7 +63,9 @@ from jaxspec.types import SamplingParams, StepResult
 ENV_COORDINATOR = "JAXSPEC_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXSPEC_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXSPEC_PROCESS_ID"
-ENV_AUTHKEY = "JAXSPEC_DIST_AUTHKEY"
+ENV_SECRET = "JAXSPEC_DIST_SECRET"  # the control channel's shared secret (required off loopback)
+ENV_SECRET_FILE = "JAXSPEC_DIST_SECRET_FILE"  # or a file holding it
+MIN_SECRET_BYTES = 16
 CONTROL_PORT_OFFSET = 1  # the leader's control channel: coordinator port + 1
 HEARTBEAT_TIMEOUT_S = 10  # jax.distributed: a process silent this long is dead (the others are terminated)
 CONNECT_TIMEOUT_S = 120  # processes starting up: jax.distributed.initialize and the control channel
@@ -86,6 +96,7 @@ class DistributedSpec:
     coordinator: str | None = None
     num_processes: int = 1
     process_id: int = 0
+    secret: bytes | None = dataclasses.field(default=None, repr=False, compare=False)  # see `read_secret`
 
     def __post_init__(self):
         if self.num_processes < 1:
@@ -100,6 +111,10 @@ class DistributedSpec:
             if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 - CONTROL_PORT_OFFSET:
                 raise ValueError(f"--coordinator must be HOST:PORT with PORT in [1, {65535 - CONTROL_PORT_OFFSET}], "
                                  f"got {self.coordinator!r}")
+            if self.secret is None and not is_loopback(self.control_address[0]):
+                raise ValueError(f"--coordinator {self.coordinator} is off loopback: the control channel needs a "
+                                 f"secret shared by every process, in ${ENV_SECRET} or a file named by "
+                                 f"${ENV_SECRET_FILE} (e.g. `openssl rand -hex 32`); see docs/multiprocess.md")
 
     @property
     def enabled(self) -> bool:
@@ -134,7 +149,7 @@ class DistributedSpec:
 
         return cls(coordinator=coordinator or env.get(ENV_COORDINATOR) or None,
                    num_processes=number(num_processes, ENV_NUM_PROCESSES, 1),
-                   process_id=number(process_id, ENV_PROCESS_ID, 0))
+                   process_id=number(process_id, ENV_PROCESS_ID, 0), secret=read_secret(env))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> DistributedSpec:
@@ -159,8 +174,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --- start-up ------------------------------------------------------------------------------------
 
 
-def _authkey(spec: DistributedSpec) -> bytes:
-    return os.environ.get(ENV_AUTHKEY, f"jaxspec-control:{spec.coordinator}:{spec.num_processes}").encode()
+def read_secret(env: Mapping[str, str]) -> bytes | None:
+    """The control channel's shared secret: $JAXSPEC_DIST_SECRET, or the contents of the file
+    $JAXSPEC_DIST_SECRET_FILE (one trailing newline dropped); None when neither is set. ValueError for both,
+    an unreadable file, or fewer than MIN_SECRET_BYTES bytes."""
+    value, path = env.get(ENV_SECRET), env.get(ENV_SECRET_FILE)
+    if value is not None and path is not None:
+        raise ValueError(f"set ${ENV_SECRET} or ${ENV_SECRET_FILE}, not both")
+    if path is not None:
+        try:
+            secret = open(path, "rb").read().removesuffix(b"\n")
+        except OSError as exc:
+            raise ValueError(f"${ENV_SECRET_FILE}: cannot read {path}: {exc.strerror}") from None
+    elif value is not None:
+        secret = value.encode()
+    else:
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the control channel's secret must have at least {MIN_SECRET_BYTES} bytes, got "
+                         f"{len(secret)} (e.g. `openssl rand -hex 32`)")
+    return secret
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is this machine's loopback only: every address it resolves to is."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False  # unresolvable here: not known to be loopback
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def control_key(spec: DistributedSpec) -> bytes:
+    """The control channel's HMAC key: HMAC-SHA256 of the run (coordinator, process count) under the shared
+    secret; without a secret (loopback only, see DistributedSpec) the run's description itself."""
+    run = f"jaxspec-control:{spec.coordinator}:{spec.num_processes}".encode()
+    if spec.secret is None:
+        return run
+    return hmac.new(spec.secret, run, hashlib.sha256).digest()
 
 
 def initialize(spec: DistributedSpec) -> LeaderLink | FollowerLink | None:
@@ -170,6 +225,8 @@ def initialize(spec: DistributedSpec) -> LeaderLink | FollowerLink | None:
         return None
     import jax
 
+    if spec.secret is None and not is_loopback(spec.control_address[0]):  # DistributedSpec refuses this too
+        raise ValueError(f"--coordinator {spec.coordinator} is off loopback: set ${ENV_SECRET} or ${ENV_SECRET_FILE}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     sigterm = signal.getsignal(signal.SIGTERM)
     jax.distributed.initialize(spec.coordinator, num_processes=spec.num_processes, process_id=spec.process_id,
@@ -215,7 +272,7 @@ class LeaderLink:
     def accept(cls, spec: DistributedSpec) -> LeaderLink:
         address = spec.control_address
         try:
-            listener = Listener(address, authkey=_authkey(spec))
+            listener = Listener(address, authkey=control_key(spec))
         except OSError as exc:
             raise OSError(f"cannot listen for the other processes on {address[0]}:{address[1]} (coordinator port + "
                           f"{CONTROL_PORT_OFFSET}): {exc}") from None
@@ -226,8 +283,8 @@ class LeaderLink:
                 try:
                     conn = listener.accept()
                     hello = json.loads(conn.recv_bytes())
-                except (OSError, EOFError, ValueError):
-                    continue  # a stray or unauthenticated connection
+                except (OSError, EOFError, ValueError, AuthenticationError):
+                    continue  # a stray connection, or one without the key
                 pid = hello.get("process")
                 if isinstance(pid, int) and 0 < pid < spec.num_processes and pid not in conns:
                     conns[pid] = conn
@@ -396,8 +453,13 @@ class FollowerLink:
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while True:
             try:
-                conn = Client((host, port), authkey=_authkey(spec))
+                conn = Client((host, port), authkey=control_key(spec))
                 break
+            except AuthenticationError:
+                raise RuntimeError(f"process {spec.process_id}: the control channel at {host}:{port} did not accept "
+                                   f"this process's key, or did not prove it has it: the processes' secrets "
+                                   f"(${ENV_SECRET} / ${ENV_SECRET_FILE}) differ, or another program holds that "
+                                   f"port") from None
             except (ConnectionRefusedError, ConnectionResetError, EOFError) as exc:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"process {spec.process_id}: cannot reach the leader's control channel at "

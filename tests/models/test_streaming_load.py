@@ -78,7 +78,11 @@ def test_safetensors_dir_streams_to_the_same_serving_weights(tmp_path, config, d
         _assert_same_serving_weights(streamed.model, reference, placement)
         tokens = np.arange(12, dtype=np.int32)[None, :] % config.vocab_size  # [1, 12]
         mine, ref = np.asarray(streamed.model(tokens)), np.asarray(reference(tokens))  # [1, 12, V] each
-        tol = 0.05 if dtype == "bfloat16" else 1e-5  # same weights; the fused unrolled path vs the stacked scan
+        # same weights; the fused unrolled path vs the stacked scan. Measured max|mine - ref| / max|ref| (XLA:CPU,
+        # 2026-12-06): bfloat16 9.0e-3 (llama) and 6.9e-3 (qwen) here, at most 1.4e-2 over seeds 0-5, about 2.5
+        # bf16 roundings (2^-8) of the largest logit: 0.02 leaves a 2.2x margin on this test's figure. float32:
+        # at most 6e-7 over those seeds.
+        tol = 0.02 if dtype == "bfloat16" else 1e-5
         np.testing.assert_allclose(mine, ref, rtol=0, atol=tol * np.abs(ref).max())
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from jaxspec.policy.goodput import GoodputPolicy
 from jaxspec.serving.client import GenerationClient
 from jaxspec.serving.serve_config import ServeConfig
 from jaxspec.serving.service import GenerationServer
+from tests.conftest import wait_until  # noqa: F401 - the serving tests import it from here
 from tests.policy.sim import linear_cost, synthetic_cost_model
 
 HOST = "127.0.0.1"
@@ -86,14 +85,6 @@ class StepGate:
 
     def open(self) -> None:
         self._open.set()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def start_server(engine, tokenizer, policy, **config) -> GenerationServer:

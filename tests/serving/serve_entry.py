@@ -1,7 +1,9 @@
 """Test-only: `python -m tests.serving.serve_entry [jaxspec serve flags]`.
 
 Exactly `jaxspec serve` (jaxspec.cli), except that every engine step first sleeps
-$JAXSPEC_TEST_STEP_DELAY seconds, so a test can signal the server while streams are in flight.
+$JAXSPEC_TEST_STEP_DELAY seconds, so a test can signal the server while streams are in flight, and, when
+$JAXSPEC_TEST_STEP_GATE names a file, waits while that file exists (a test holds the streams in flight for
+as long as it needs them there).
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from jaxspec import cli  # noqa: E402
 from jaxspec.engine.engine import Engine  # noqa: E402
 
 DELAY = float(os.environ["JAXSPEC_TEST_STEP_DELAY"])
+GATE = os.environ.get("JAXSPEC_TEST_STEP_GATE")
 _step = Engine.step
 
 
 def _slow_step(self, *args, **kwargs):
     time.sleep(DELAY)
+    while GATE and os.path.exists(GATE):
+        time.sleep(0.01)
     return _step(self, *args, **kwargs)
 
 

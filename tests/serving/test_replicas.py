@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import re
 import signal
-import time
 import urllib.request
 from concurrent import futures
 
@@ -47,8 +46,29 @@ def generate(client: GenerationClient, i: int, max_tokens: int) -> list[pb.Gener
     return list(client.generate(f"request {i}", max_tokens=max_tokens, ignore_eos=True, timeout=60))
 
 
-def test_two_replicas_behind_one_target_and_a_drain():
-    procs = [start_process(*FLAGS) for _ in range(2)]
+def unavailable_calls(metrics_port: int) -> int:
+    """Generate calls the replica refused with UNAVAILABLE (e.g. while draining)."""
+    return int(metric(metrics_port, 'jaxspec_requests_total{code="UNAVAILABLE",method="Generate"}'))
+
+
+def routes_around(client: GenerationClient, metrics_port: int, probes: list[int]) -> bool:
+    """Two calls in a row on the balanced `client`, none refused by the replica behind `metrics_port`.
+
+    round_robin alternates its picks over the replicas it deems ready, so while the draining replica is
+    still among them one of two consecutive picks lands there and is refused (then retried elsewhere): two
+    calls without a refusal there show the channel has taken it out. Each call must succeed; `probes`
+    collects their numbers."""
+    refused = unavailable_calls(metrics_port)
+    for _ in range(2):
+        probes.append(len(probes))
+        messages = generate(client, 300 + probes[-1], 4)
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    return unavailable_calls(metrics_port) == refused
+
+
+def test_two_replicas_behind_one_target_and_a_drain(tmp_path):
+    gate = tmp_path / "hold-replica-a"  # while it exists, replica A's engine steps wait: its drain lasts
+    procs = [start_process(*FLAGS, env={"JAXSPEC_TEST_STEP_GATE": str(gate)}), start_process(*FLAGS)]
     try:
         for proc, lines in procs:
             wait_until(lambda: any("jaxspec serve: tiny on" in l for l in lines) or proc.poll() is not None,
@@ -60,29 +80,40 @@ def test_two_replicas_behind_one_target_and_a_drain():
         assert client.balanced
         direct_a = GenerationClient(f"{HOST}:{port_a}")
         wait_until(lambda: direct_a.health() == "SERVING", what="replica A serving")
+        # the channel connects to the replicas one by one: call until both have answered
+        wait_until(lambda: generate(client, 0, 1) and ok_calls(metrics_a) > 0 and ok_calls(metrics_b) > 0,
+                   timeout=60, what="the balanced channel to reach both replicas")
 
         with futures.ThreadPoolExecutor(8) as pool:
             # 20 calls: round_robin spreads them over both replicas
+            a0, b0 = ok_calls(metrics_a), ok_calls(metrics_b)
             first = list(pool.map(lambda i: generate(client, i, 4), range(20)))
             assert all(m[-1].finish_reason == pb.FINISH_REASON_LENGTH for m in first)
             a1, b1 = ok_calls(metrics_a), ok_calls(metrics_b)
-            assert a1 + b1 == 20 and a1 >= 5 and b1 >= 5, (a1, b1)
+            assert (a1 - a0) + (b1 - b0) == 20 and a1 - a0 >= 5 and b1 - b0 >= 5, (a1 - a0, b1 - b0)
 
-            # 20 more: 6 long ones (3 s) start, replica A gets SIGTERM while some run there, then 14 short ones
+            # 6 long calls (60 tokens) start; replica A's are held in flight; A gets SIGTERM
+            gate.touch()
             long = [pool.submit(generate, client, 100 + i, 60) for i in range(6)]
             wait_until(lambda: metric(metrics_a, "jaxspec_running_slots") > 0, what="a call running on A")
             procs[0][0].send_signal(signal.SIGTERM)
-            wait_until(lambda: direct_a.health() == "NOT_SERVING", timeout=5, what="replica A NOT_SERVING")
-            time.sleep(0.2)  # the balanced channel's health watch hears it too
+            wait_until(lambda: direct_a.health() == "NOT_SERVING", timeout=30, what="replica A NOT_SERVING")
+            # the balanced channel's health watch hears it too (when, depends on the machine's load)
+            probes: list[int] = []
+            wait_until(lambda: routes_around(client, metrics_a, probes), timeout=60,
+                       what="the balanced channel to route around the draining replica")
+            refused = unavailable_calls(metrics_a)
             short = list(pool.map(lambda i: generate(client, 200 + i, 4), range(14)))
             assert all(m[-1].finish_reason == pb.FINISH_REASON_LENGTH for m in short)  # none failed
-            assert not all(call.done() for call in long)  # A is still draining: its metrics are up
-            # health checking, not retries, kept the calls off A: it refused none
-            assert metric(metrics_a, 'jaxspec_requests_total{code="UNAVAILABLE",method="Generate"}') == 0
+            # health checking, not retries, keeps the calls off A now: it refused none of them
+            assert unavailable_calls(metrics_a) == refused
+            assert ok_calls(metrics_a) == a1  # A served no call after the drain began (its long ones still run)
+            gate.unlink()
             for call in long:  # the calls in flight on A drained
                 messages = call.result(timeout=60)
                 assert sum(len(m.token_ids) for m in messages) == 60
-        assert ok_calls(metrics_b) - b1 >= 14  # every call after the drain began went to B
+        # every call after the drain began (the probes and the 14) was served by B
+        assert ok_calls(metrics_b) - b1 >= len(probes) + 14
         assert procs[0][0].wait(timeout=30) == 0, "".join(procs[0][1])
         assert any("stopped (drained)" in l for l in procs[0][1])
 

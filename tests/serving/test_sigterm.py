@@ -24,8 +24,9 @@ STEP_DELAY = 0.05
 TOKENS = 40  # in flight for >= TOKENS * STEP_DELAY = 2 s after the signal
 
 
-def start_process(*flags: str) -> tuple[subprocess.Popen, list[str]]:
-    env = dict(os.environ, JAXSPEC_TEST_STEP_DELAY=str(STEP_DELAY), PYTHONPATH=str(ROOT))
+def start_process(*flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """`serve_entry` with `flags` (and `env` added to the environment); its stderr lines, gathered as they come."""
+    env = dict(os.environ, JAXSPEC_TEST_STEP_DELAY=str(STEP_DELAY), PYTHONPATH=str(ROOT), **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "tests.serving.serve_entry", *flags], cwd=ROOT, env=env,
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []
