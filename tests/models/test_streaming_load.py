@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from jaxspec.engine.build import build_draft, build_model
 from jaxspec.engine.engine import Engine
+from jaxspec.engine.kernels import kernel_plan_for
 from jaxspec.menu import Menu
 from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.models.config import TINY, TINY_QWEN
@@ -41,8 +42,9 @@ def _tokenizer(vocab_size: int) -> TextTokenizer:
 
 
 def _placement(dtype: str = "float32") -> Placement:
-    """One device as the engine places it: on XLA:CPU float32 layers are stored as column panels."""
-    return serving_placement(make_mesh(MeshSpec()), TensorParallelLayout(), dtype)
+    """One device as the engine places it: on XLA:CPU float32 layers are stored as column panels (kernel plan)."""
+    plan = kernel_plan_for(TINY.replace(dtype=dtype), MeshSpec(), tensor_parallel=False)
+    return serving_placement(make_mesh(MeshSpec()), TensorParallelLayout(), plan)
 
 
 def _assert_same_serving_weights(streamed, reference, placement):
