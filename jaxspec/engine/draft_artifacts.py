@@ -104,39 +104,56 @@ def build_draft(target: Llama, arch: DraftArch, keep_ids=None, seed: int = 0) ->
     return draft
 
 
-def save_draft(out_dir: str | Path, draft: DraftLlama, arch: DraftArch, target_config: ModelConfig,
-               meta: dict | None = None, dtype=np.float16) -> Path:
-    """draft.json (architecture, kept ids count, recipe, metrics) + weights.npz (own weights)."""
+# --- the files: draft.json (architecture, target, recipe, metrics) + weights.npz (own weights, kept ids) ----------
+
+
+def _write_files(out_dir: str | Path, draft, info: dict, dtype) -> Path:
+    """Write `draft`'s own weights (in `dtype`) and kept ids to weights.npz and `info` to draft.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(dtype) for k, v in trainable_state(draft).items()}
     weights["keep_ids"] = np.asarray(draft.keep_ids.value, np.int32)
     np.savez(out / "weights.npz", **weights)
-    info = {"format": FORMAT, "version": 1, "arch": dataclasses.asdict(arch),
-            "target": {"name": target_config.name, "vocab_size": target_config.vocab_size,
-                       "hidden_size": target_config.hidden_size},
-            "num_kept": draft.num_kept, "own_params": arch.own_params(draft.embed_dim), **(meta or {})}
     (out / "draft.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
     return out
 
 
-def load_draft(path: str | Path, target: Llama) -> DraftLlama:
-    """A draft saved by `save_draft`, sharing `target`'s embedding."""
-    path = Path(path)
-    info = json.loads((path / "draft.json").read_text())
-    if info.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a jaxspec draft")
+def _read_files(path: Path, expected_format: str, kind: str, target: Llama,
+                rebuild_command: str) -> tuple[dict, dict[str, np.ndarray], np.ndarray]:
+    """(draft.json, own weights as float32, kept ids) of a `kind` saved for `target`'s vocabulary and width."""
+    info_file = path / "draft.json"
+    if not info_file.is_file():
+        raise FileNotFoundError(f"no {kind} at {path} (draft.json missing); build it with: {rebuild_command}")
+    info = json.loads(info_file.read_text())
+    if info.get("format") != expected_format:
+        raise ValueError(f"{path}: not a jaxspec {kind} (format {info.get('format')!r})")
     t = info["target"]
     if (t["vocab_size"], t["hidden_size"]) != (target.config.vocab_size, target.config.hidden_size):
-        raise ValueError(f"{path}: draft was trained for {t['name']} (vocab {t['vocab_size']}, width "
+        raise ValueError(f"{path}: {kind} was trained for {t['name']} (vocab {t['vocab_size']}, width "
                          f"{t['hidden_size']}), not {target.config.name}")
-    arch = DraftArch.from_dict(info["arch"])
     with np.load(path / "weights.npz") as z:
         weights = {k: z[k] for k in z.files}
     keep = weights.pop("keep_ids")
+    return info, {k: v.astype(np.float32) for k, v in weights.items()}, keep
+
+
+def save_draft(out_dir: str | Path, draft: DraftLlama, arch: DraftArch, target_config: ModelConfig,
+               meta: dict | None = None, dtype=np.float16) -> Path:
+    """draft.json (architecture, kept ids count, recipe, metrics) + weights.npz (own weights)."""
+    info = {"format": FORMAT, "version": 1, "arch": dataclasses.asdict(arch),
+            "target": {"name": target_config.name, "vocab_size": target_config.vocab_size,
+                       "hidden_size": target_config.hidden_size},
+            "num_kept": draft.num_kept, "own_params": arch.own_params(draft.embed_dim), **(meta or {})}
+    return _write_files(out_dir, draft, info, dtype)
+
+
+def load_draft(path: str | Path, target: Llama) -> DraftLlama:
+    """A draft saved by `save_draft`, sharing `target`'s embedding."""
+    info, weights, keep = _read_files(Path(path), FORMAT, "draft", target, REBUILD_COMMAND)
+    arch = DraftArch.from_dict(info["arch"])
     draft = DraftLlama(arch.model_config(target.config), embed=target.embed.value, keep_ids=keep,
                        rngs=nnx.Rngs(0))
-    return load_trainable_state(draft, {k: v.astype(np.float32) for k, v in weights.items()})
+    return load_trainable_state(draft, weights)
 
 
 def shipped_draft_path(target_config: ModelConfig) -> Path:
@@ -212,42 +229,22 @@ def build_feature_draft(target: Llama, arch: FeatureArch, keep_ids=None, seed: i
 def save_feature_draft(out_dir: str | Path, draft: FeatureDraft, arch: FeatureArch, target_config: ModelConfig,
                        meta: dict | None = None, dtype=np.float16) -> Path:
     """draft.json (architecture, recipe, metrics) + weights.npz (own weights, kept ids)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(dtype) for k, v in trainable_state(draft).items()}
-    weights["keep_ids"] = np.asarray(draft.keep_ids.value, np.int32)
-    np.savez(out / "weights.npz", **weights)
-    own = int(sum(v.size for k, v in weights.items() if k != "keep_ids"))
+    own = int(sum(v.size for v in trainable_state(draft).values()))
     info = {"format": FEATURE_FORMAT, "version": 1, "arch": dataclasses.asdict(arch),
             "target": {"name": target_config.name, "vocab_size": target_config.vocab_size,
                        "hidden_size": target_config.hidden_size, "num_layers": target_config.num_layers},
             "num_kept": draft.num_kept, "own_params": own, **(meta or {})}
-    (out / "draft.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
-    return out
+    return _write_files(out_dir, draft, info, dtype)
 
 
 def load_feature_draft(path: str | Path, target: Llama) -> FeatureDraft:
     """A feature draft saved by `save_feature_draft`, sharing `target`'s embedding and head."""
-    path = Path(path)
-    info_file = path / "draft.json"
-    if not info_file.is_file():
-        raise FileNotFoundError(f"no feature draft at {path} (draft.json missing); build it with: "
-                                f"{FEATURE_REBUILD_COMMAND}")
-    info = json.loads(info_file.read_text())
-    if info.get("format") != FEATURE_FORMAT:
-        raise ValueError(f"{path}: not a jaxspec feature draft (format {info.get('format')!r})")
-    t = info["target"]
-    if (t["vocab_size"], t["hidden_size"]) != (target.config.vocab_size, target.config.hidden_size):
-        raise ValueError(f"{path}: feature draft was trained for {t['name']} (vocab {t['vocab_size']}, width "
-                         f"{t['hidden_size']}), not {target.config.name}")
+    info, weights, keep = _read_files(Path(path), FEATURE_FORMAT, "feature draft", target, FEATURE_REBUILD_COMMAND)
     arch = FeatureArch.from_dict(info["arch"])
-    with np.load(path / "weights.npz") as z:
-        weights = {k: z[k] for k in z.files}
-    keep = weights.pop("keep_ids")
     draft = FeatureDraft(feature_draft_config(target.config, arch.num_layers), embed=target.embed.value,
                          feature_layers=arch.layers_for(target.config), head=target_head(target), keep_ids=keep,
                          rngs=nnx.Rngs(0))
-    return load_trainable_state(draft, {k: v.astype(np.float32) for k, v in weights.items()})
+    return load_trainable_state(draft, weights)
 
 
 def shipped_feature_draft_dir(target_name: str) -> Path:
