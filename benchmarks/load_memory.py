@@ -1,6 +1,7 @@
 """Peak host memory while loading a model: the streaming loader vs the old whole-state-dict path.
 
-    python -m benchmarks.load_memory --model SPEC --dtype bfloat16 [--paths streaming whole] [--cap-gib 12]
+    python -m benchmarks.load_memory --model SPEC --dtype bfloat16 [--paths streaming whole] [--cap-gib 12] \
+        [--out docs/results/load_memory.json]
 
 Each path runs in a fresh subprocess (so one path's allocations cannot lower or raise the other's
 peak) and loads the model into its serving layout on one device (`serving_split`, as an engine does):
@@ -12,7 +13,8 @@ peak) and loads the model into its serving layout on one device (`serving_split`
 Reported per path: peak RSS (`getrusage(RUSAGE_SELF).ru_maxrss`), RSS after importing jax and
 starting its backend (the floor every path pays), the serving weights' bytes, load seconds. The
 parent samples each child's RSS and kills it above `--cap-gib` (reported as `killed_over_cap`), so a
-path that would exhaust the machine is stopped, not run. Prints one JSON object.
+path that would exhaust the machine is stopped, not run. Prints one JSON object (the command, date, machine and
+load average before and after with the rows) and writes it to `--out` when given.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -43,9 +46,10 @@ def _child(path: str, spec: str | None, dtype: str) -> dict:
     """Load `spec` by `path` in this (fresh) process and report its memory."""
     import jax
 
+    from jaxspec.engine.kernels import kernel_plan_for
     from jaxspec.mesh import MeshSpec, make_mesh
     from jaxspec.models.llama import serving_split
-    from jaxspec.models.sharding import Placement, plan_layout
+    from jaxspec.models.sharding import plan_layout, serving_placement
 
     jax.devices()  # start the backend: part of the floor, not of the load
     floor = _rss_bytes()
@@ -63,9 +67,12 @@ def _child(path: str, spec: str | None, dtype: str) -> dict:
             return from_hf_state_dict(loaded.config.replace(dtype=dtype), loaded.state_dict)
 
         model = whole()
-    placement = Placement(make_mesh(MeshSpec()), plan_layout(model.config, 1))
+    one_device = MeshSpec()  # the placement build_model streams into (its kernel plan's weight layout), both paths
+    placement = serving_placement(make_mesh(one_device), plan_layout(model.config, 1),
+                                  kernel_plan_for(model.config, one_device))
     params, layers = serving_split(model, placement)[1]  # what an engine places (a memo hit when streamed)
-    arrays = [v.value for _, v in params.flat_state()] + [a for layer in layers for a in layer.values()]
+    # the placed arrays (a column-panel weight is a pytree over its panels array)
+    arrays = jax.tree.leaves([v.value for _, v in params.flat_state()] + [layer for layer in layers])
     jax.block_until_ready(arrays)
     seconds = time.perf_counter() - start
     serving_bytes = sum(s.data.nbytes for a in arrays for s in a.addressable_shards)
@@ -107,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--paths", nargs="+", default=["streaming", "whole"], choices=("streaming", "whole"))
     parser.add_argument("--cap-gib", type=float, default=12.0, help="kill a path whose RSS passes this")
+    parser.add_argument("--out", default=None, help="also write the JSON report to this file")
     parser.add_argument("--child", choices=("streaming", "whole"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -115,11 +123,21 @@ def main(argv: list[str] | None = None) -> dict:
         return result
     load_before = os.getloadavg()
     rows = {p: _run_path(p, args.model, args.dtype, args.cap_gib) for p in args.paths}
-    report = {"model": args.model, "dtype": args.dtype, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "host": platform.node(), "cpus": os.cpu_count(),
-              "mem_total_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB,
+    mem_total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    command = ["python", "-m", "benchmarks.load_memory", *(sys.argv[1:] if argv is None else argv)]
+    report = {"command": " ".join(shlex.quote(a) for a in command),
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), {mem_total_gib:.1f} GiB RAM, "
+                         f"Python {platform.python_version()}",
+              "model": args.model, "dtype": args.dtype, "host": platform.node(), "cpus": os.cpu_count(),
+              "mem_total_gib": mem_total_gib,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "paths": rows}
-    print(json.dumps(report, indent=2))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
     return report
 
 
