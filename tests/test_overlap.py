@@ -202,3 +202,20 @@ def test_tiny_model_cancel_leaves_the_others_unchanged(ngram_engine):
     assert [r.token_ids for r in results[1:]] == [r.token_ids for r in reference[1:]]
     sched.step_once()
     no_leaks(ngram_engine, sched)
+
+
+def test_no_overlap_flag_reaches_every_engine_command():
+    import argparse
+
+    from jaxspec.engine.args import EngineArgs
+    from jaxspec.serving.serve_config import ServeConfig
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_arguments(parser)
+    assert EngineArgs.from_namespace(parser.parse_args([])).no_overlap is False
+    assert EngineArgs.from_namespace(parser.parse_args(["--no-overlap"])).no_overlap is True
+    serve = argparse.ArgumentParser()
+    EngineArgs.add_arguments(serve, overrides=True)  # serve: an unset flag leaves the config file's value
+    assert EngineArgs.given(serve.parse_args([])) == {}
+    assert EngineArgs.given(serve.parse_args(["--no-overlap"])) == {"no_overlap": True}
+    assert ServeConfig(no_overlap=True).engine_args().no_overlap is True
