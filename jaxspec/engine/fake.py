@@ -157,6 +157,18 @@ class FakeEngine:
         self._in_flight: list[FakeStep] = []
         self.lost = False
 
+    def read_through(self, step: FakeStep) -> None:
+        """Read the steps in flight up to `step`, in dispatch order (as the real engine): their counts reach
+        the host-visible lengths of the slots not freed meanwhile."""
+        if step not in self._in_flight:  # dropped by reset: it touches nothing
+            step.read = True
+            return
+        while self._in_flight and not step.read:
+            first = self._in_flight.pop(0)
+            self._mirror.read(first.slots, first.epochs, first.caps, first.computed.counts)
+            first.read = True
+        step.read = True
+
     def in_flight(self) -> int:
         """Steps dispatched and not read yet."""
         return len(self._in_flight)
@@ -195,10 +207,6 @@ class FakeStep:
     read: bool = False
 
     def result(self) -> StepResult:
-        engine = self.engine
-        while not self.read and self in engine._in_flight:  # read in dispatch order, as the real engine
-            first = engine._in_flight.pop(0)
-            engine._mirror.read(first.slots, first.epochs, first.caps, first.computed.counts)
-            first.read = True
-        self.read = True
+        if not self.read:
+            self.engine.read_through(self)
         return self.computed
