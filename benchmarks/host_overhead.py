@@ -11,7 +11,10 @@ batch size, for the same B rows decoding greedily with prompt lookup on a repeti
     executable  the compiled (B, k, W) step alone, called as `Engine.step` calls it (`jaxspec.bench.floor`)
     engine      `Engine.step`: the shape choice, the call, the one host copy of the result, the bookkeeping
     scheduler   the scheduler's loop, per decode step, with each policy (its choose/observe included), the
-                requests' prefill excluded (the same B requests, max_tokens each, admitted at once)
+                requests' prefill excluded (the same B requests, max_tokens each, admitted at once), overlapped
+                (step n+1 dispatched before step n is read) and synchronous (`--no-overlap`), alternated
+                `--rounds` times; the host time left exposed per step is the loop's time per step minus the
+                executable's (k = 0 for `none`)
 
 The executable and `Engine.step` are timed alternately (`interleaved_medians`); the scheduler rows are the
 wall time of the decode phase over its steps. The differences are the host's share per step.
@@ -35,7 +38,7 @@ from jaxspec.engine.build import build_model, build_proposer
 from jaxspec.engine.engine import Engine, enable_compilation_cache
 from jaxspec.menu import Menu, StepKey
 from jaxspec.scheduling.requests import Request
-from jaxspec.scheduling.scheduler import Scheduler
+from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
 from jaxspec.serving.runtime import build_policy
 from jaxspec.types import SamplingParams
 
@@ -65,10 +68,27 @@ def engine_call(engine: Engine, batch: int, k: int):
     return call
 
 
-def scheduler_run(engine: Engine, policy_spec: str, batch: int, max_tokens: int) -> dict:
+def dispatch_split(engine: Engine, batch: int, repeats: int) -> dict:
+    """Median ms of `dispatch_step` and of its `result()` (k = 0 on slots 0..B-1): a dispatch that takes the
+    whole step and a read that takes none is a backend running the step inline, where no overlap is possible."""
+    slots, dispatch, read = list(range(batch)), [], []
+    before = engine.lengths[:batch].copy()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        pending = engine.dispatch_step(slots, 0)
+        t1 = time.perf_counter()
+        pending.result()
+        dispatch.append(t1 - t0)
+        read.append(time.perf_counter() - t1)
+        for slot, length in zip(slots, before):
+            engine.set_length(slot, int(length))
+    return {"dispatch_ms": float(np.median(dispatch)) * 1e3, "read_ms": float(np.median(read)) * 1e3}
+
+
+def scheduler_run(engine: Engine, policy_spec: str, batch: int, max_tokens: int, overlap: bool = True) -> dict:
     """B requests decoded together under a policy: seconds per decode step, steps, tokens per step."""
     policy = build_policy(policy_spec, engine, progress=False)
-    scheduler = Scheduler(engine, policy)
+    scheduler = Scheduler(engine, policy, config=SchedulerConfig(overlap=overlap))
     vocab = engine.vocab_size
     requests = [Request(f"r{i}", prompt(vocab, i), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
                 for i in range(batch)]
@@ -78,12 +98,30 @@ def scheduler_run(engine: Engine, policy_spec: str, batch: int, max_tokens: int)
     t0 = time.perf_counter()
     results = scheduler.generate_all([Request(f"{r.request_id}-timed", r.prompt_token_ids, r.params)
                                       for r in requests])
+    wall = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in results)
-    # the decode phase: from the first step's end to the last's, over the steps between them
+    # the decode phase: from the first step's read to the last's, over the steps between them
     per_step = (steps[-1] - steps[0]) / max(1, len(steps) - 1) if len(steps) > 1 else float("nan")
-    return {"policy": policy_spec, "B": batch, "steps": len(steps), "tokens": tokens,
+    return {"policy": policy_spec, "B": batch, "overlap": overlap, "steps": len(steps), "tokens": tokens,
             "tokens_per_step": tokens / max(1, len(steps)), "scheduler_ms_per_step": per_step * 1e3,
-            "wall_s": time.perf_counter() - t0}
+            "decode_tokens_per_s": tokens / max(1, len(steps)) / per_step, "wall_s": wall,
+            "tokens_per_s": tokens / wall}
+
+
+def overlap_summary(spec: str, runs: dict[bool, list[dict]], row: dict) -> dict:
+    """Medians over the rounds: ms per step and decode tokens/s of each loop, the speed-up, and the host time
+    left exposed per step (the loop's ms per step minus the executable's: k = 0 for `none`, else k)."""
+    med = lambda mode, key: float(np.median([r[key] for r in runs[mode]]))  # noqa: E731
+    exe = row["executable_k0_ms"] if spec == "none" else row["executable_ms"]
+    sync_exposed, overlap_exposed = med(False, "scheduler_ms_per_step") - exe, med(True, "scheduler_ms_per_step") - exe
+    return {"policy": spec, "executable_ms": exe,
+            "sync_ms_per_step": med(False, "scheduler_ms_per_step"),
+            "overlap_ms_per_step": med(True, "scheduler_ms_per_step"),
+            "sync_tokens_per_s": med(False, "decode_tokens_per_s"),
+            "overlap_tokens_per_s": med(True, "decode_tokens_per_s"),
+            "speedup": med(True, "decode_tokens_per_s") / med(False, "decode_tokens_per_s"),
+            "sync_exposed_ms": sync_exposed, "overlap_exposed_ms": overlap_exposed,
+            "exposed_ratio": max(0.0, overlap_exposed) / sync_exposed if sync_exposed > 0 else float("nan")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", type=lambda v: tuple(v.split(",")), default=("none", "fixed:3", "goodput"))
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=200, help="timed calls of the executable and Engine.step")
+    parser.add_argument("--rounds", type=int, default=3, help="overlapped / synchronous scheduler runs, alternated")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if PROMPT_LEN + args.max_tokens + args.k + 2 > args.window:
@@ -116,22 +155,33 @@ def main(argv: list[str] | None = None) -> int:
         engine.reset()
         for slot in range(batch):
             engine.prefill(slot, prompt(engine.vocab_size, slot), SamplingParams(temperature=0.0))
-        exe_s, eng_s = interleaved_medians([executable_call(engine, batch, args.k, args.window),
-                                            engine_call(engine, batch, args.k)], args.repeats)
+        exe_s, eng_s, exe0_s = interleaved_medians([executable_call(engine, batch, args.k, args.window),
+                                                    engine_call(engine, batch, args.k),
+                                                    executable_call(engine, batch, 0, args.window)], args.repeats)
         row = {"B": batch, "k": args.k, "executable_ms": exe_s * 1e3, "engine_step_ms": eng_s * 1e3,
-               "engine_host_ms": (eng_s - exe_s) * 1e3, "policies": []}
+               "engine_host_ms": (eng_s - exe_s) * 1e3, "executable_k0_ms": exe0_s * 1e3, "policies": [],
+               "overlap": [], "k0_dispatch_split": dispatch_split(engine, batch, args.repeats)}
         engine.reset()
         for spec in args.policies:
-            row["policies"].append(scheduler_run(engine, spec, batch, args.max_tokens))
-            engine.reset()
+            runs = {True: [], False: []}
+            for _ in range(args.rounds):  # alternated, so the machine's load drifts over both alike
+                for overlap in (False, True):
+                    runs[overlap].append(scheduler_run(engine, spec, batch, args.max_tokens, overlap))
+                    engine.reset()
+            row["policies"] += runs[False] + runs[True]
+            row["overlap"].append(overlap_summary(spec, runs, row))
         rows.append(row)
-        print(f"B={batch} k={args.k}: executable {row['executable_ms']:.3f} ms, Engine.step "
-              f"{row['engine_step_ms']:.3f} ms (host {row['engine_host_ms']:.3f} ms)")
-        for p in row["policies"]:
-            print(f"  scheduler, {p['policy']:<10} {p['scheduler_ms_per_step']:7.3f} ms/step over {p['steps']} steps "
-                  f"({p['tokens_per_step']:.2f} tokens/step)")
+        print(f"B={batch} k={args.k}: executable {row['executable_ms']:.3f} ms (k=0: {row['executable_k0_ms']:.3f} ms),"
+              f" Engine.step {row['engine_step_ms']:.3f} ms (host {row['engine_host_ms']:.3f} ms); k=0 dispatch_step "
+              f"{row['k0_dispatch_split']['dispatch_ms']:.3f} ms, read {row['k0_dispatch_split']['read_ms']:.3f} ms")
+        for o in row["overlap"]:
+            print(f"  {o['policy']:<10} synchronous {o['sync_ms_per_step']:7.3f} ms/step {o['sync_tokens_per_s']:8.1f} "
+                  f"tok/s | overlapped {o['overlap_ms_per_step']:7.3f} ms/step {o['overlap_tokens_per_s']:8.1f} "
+                  f"tok/s | speed-up {o['speedup']:.2f}x, host exposed {o['sync_exposed_ms']:.3f} -> "
+                  f"{o['overlap_exposed_ms']:.3f} ms/step ({o['exposed_ratio']:.0%})")
     result = {"command": "python -m benchmarks.host_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": machine(), "devices": [str(d) for d in jax.devices()], "model": built.name,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+              "devices": [str(d) for d in jax.devices()], "model": built.name,
               "dtype": args.dtype, "load_before": load_before, "rows": rows, "load_after": load()}
     print(f"{load_before} -> {result['load_after']}")
     if args.out:

@@ -283,7 +283,7 @@ def test_utf8_streaming_never_splits_a_character():
 
 def test_cancellation_frees_the_slot():
     engine = fake()
-    sched = Scheduler(engine)
+    sched = Scheduler(engine, config=SchedulerConfig(overlap=False))  # one step read per iteration
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     handles = [sched.submit(Request(f"c{i}", [4 + i, 5, 6], params)) for i in range(6)]
     for _ in range(3):
@@ -347,7 +347,7 @@ def test_prefill_that_loses_the_state_resets_the_engine():
 
 def test_failed_step_fails_its_requests_and_resets_the_engine():
     engine = fake(accept=1)
-    real, calls = engine.step, []
+    real, calls = engine.dispatch_step, []
 
     def step(slot_ids, k, row_k=None):
         calls.append(1)
@@ -356,7 +356,7 @@ def test_failed_step_fails_its_requests_and_resets_the_engine():
             raise RuntimeError("injected step failure")
         return real(slot_ids, k, row_k)
 
-    engine.step = step
+    engine.dispatch_step = step
     sched = Scheduler(engine, FixedPolicy(3), config=SchedulerConfig(prefill_token_budget=CHUNK))
     reqs = requests()
     results = sched.generate_all(reqs)
@@ -486,7 +486,7 @@ def test_stop_with_drain_finishes_live_requests():
 def test_timings_on_an_injected_clock():
     now = [100.0]
     policy = RecordingPolicy()
-    sched = Scheduler(fake(), policy, clock=lambda: now[0])
+    sched = Scheduler(fake(), policy, clock=lambda: now[0], config=SchedulerConfig(overlap=False))
     h = sched.submit(Request("t", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True)))
     now[0] = 101.0
     sched.step_once()  # admitted, prefilled (first token) and one decode step at t=101
@@ -502,19 +502,21 @@ def test_timings_on_an_injected_clock():
 def test_step_listeners_see_every_step_and_cannot_fail_requests():
     now = [0.0]
     engine = fake(accept=2)
-    real_step = engine.step
+    real_step = engine.dispatch_step
 
     def step(*args, **kwargs):
         now[0] += 0.25
         return real_step(*args, **kwargs)
 
-    engine.step = step
+    engine.dispatch_step = step
     seen: list[StepStats] = []
 
     def broken(stats):
         raise RuntimeError("listener bug")
 
-    sched = Scheduler(engine, FixedPolicy(3), clock=lambda: now[0], step_listeners=[seen.append])
+    # synchronous: each step's time is its own, and every step's rows are delivered (no discarded extra step)
+    sched = Scheduler(engine, FixedPolicy(3), clock=lambda: now[0], step_listeners=[seen.append],
+                      config=SchedulerConfig(overlap=False))
     sched.add_step_listener(broken)
     reqs = requests()
     results = sched.generate_all(reqs)
@@ -627,7 +629,7 @@ def test_batched_greedy_matches_one_at_a_time(which, request, reference):
 
 
 def test_real_failed_step_loses_the_state_and_resets_the_engine(plain, monkeypatch, reference):
-    real, calls = plain.step, []
+    real, calls = plain.dispatch_step, []
 
     def step(slot_ids, k, row_k=None):
         calls.append(1)
@@ -637,7 +639,7 @@ def test_real_failed_step_loses_the_state_and_resets_the_engine(plain, monkeypat
             raise RuntimeError("injected step failure")
         return real(slot_ids, k, row_k)
 
-    monkeypatch.setattr(plain, "step", step)
+    monkeypatch.setattr(plain, "dispatch_step", step)
     sched = Scheduler(plain, config=SchedulerConfig(prefill_token_budget=CHUNK))
     reqs = real_requests()
     results = {r.request_id: r for r in sched.generate_all(reqs)}

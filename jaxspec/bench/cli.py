@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxspec.engine.args import EngineArgs
 
     # a sweep takes several proposers and policies (--proposers, --policies): only these engine flags are single
-    EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh", "kernels"), defaults={"draft": "default"})
+    EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh", "kernels", "no_overlap"),
+                             defaults={"draft": "default"})
     parser.add_argument("--proposers", type=_strs, default=None,
                         help="comma-separated of ngram,draft,feature (feature: the draft proposer with --draft "
                              "feature, side by side with --draft's; default: ngram,draft; --quick: draft on chat only)")
@@ -112,6 +113,7 @@ class Settings:
     progress: bool
     draft_only_on: tuple[str, ...] | None = None  # quick: the draft proposer runs on these workloads only
     tree: str | None = None  # --tree N[:D]: the envelope of the `*-tree` proposers
+    overlap: bool = True  # False: --no-overlap, the synchronous scheduler loop
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -147,7 +149,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_prompt_tokens=max_prompt, capacity=capacity, k_menu=tuple(args.k_menu),
         max_len=args.max_len or max_prompt + max_tokens + max(args.k_menu + tree_k) + 16, ignore_eos=args.ignore_eos,
         seed=args.seed, quick=q, progress=not args.no_progress,
-        draft_only_on=("chat",) if q and args.proposers is None else None, tree=tree)
+        draft_only_on=("chat",) if q and args.proposers is None else None, tree=tree,
+        overlap=not getattr(args, "no_overlap", False))
 
 
 def bench_menu(s: Settings):
@@ -177,11 +180,11 @@ def _requests(workload, s: Settings, tag: str):
     return [Request(f"{tag}-{i}", p, params) for i, p in enumerate(workload.prompts)]
 
 
-def _scheduler(engine, policy, tokenizer, capacity):
+def _scheduler(engine, policy, tokenizer, capacity, overlap: bool = True):
     from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
 
     return Scheduler(engine, policy, tokenizer if _has_detok(tokenizer) else None,
-                     SchedulerConfig(max_running=capacity), clock=time.perf_counter)
+                     SchedulerConfig(max_running=capacity, overlap=overlap), clock=time.perf_counter)
 
 
 def _has_detok(tokenizer) -> bool:
@@ -193,7 +196,7 @@ def service_rate(engine, tokenizer, workload, s: Settings) -> float:
     from jaxspec.bench.loadgen import run_closed_loop, summarize
 
     reqs = _requests(workload, s, "calib")[: max(s.capacity, min(len(workload), 2 * s.capacity))]
-    samples = run_closed_loop(_scheduler(engine, None, tokenizer, s.capacity), reqs, s.capacity)
+    samples = run_closed_loop(_scheduler(engine, None, tokenizer, s.capacity, s.overlap), reqs, s.capacity)
     return len(samples) / summarize(samples)["span_s"]
 
 
@@ -270,7 +273,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
 
             def cell(engine, spec, proposer_name):
                 policy = None if spec == "none" else make_bench_policy(spec, engine)
-                sched = _scheduler(engine, policy, tokenizer, s.capacity)
+                sched = _scheduler(engine, policy, tokenizer, s.capacity, s.overlap)
                 before = compile_counter.count()
                 catch_up_before = dataclasses.replace(engine.catch_up_totals)
                 if kind == "rate":

@@ -7,7 +7,10 @@ contract").
 
 A slot holds one request. Its *length* is the number of committed tokens in the cache; the newest
 sampled token is pending (not yet in the cache). A step over some slots verifies up to k proposals per
-row (each row capped by its own `row_k`) and commits the accepted ones plus one bonus token.
+row (each row capped by its own `row_k`) and commits the accepted ones plus one bonus token. A step may be
+split: `dispatch_step` starts it and returns a `PendingStep` whose `result()` reads it, so a driver can
+dispatch the next step before it reads this one (docs/design.md, "The overlapped loop"); while steps are in
+flight `length` is an upper bound (jaxspec.engine.pending).
 
 Shape keys (`StepKey`, `PrefillKey`, `CatchUpKey`) and the errors a driver must handle
 (`MenuMissError`, `CapacityError`) live in `jaxspec.menu` and are re-exported here.
@@ -20,6 +23,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from jaxspec.engine.pending import PendingStep
 from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, MenuMissError, PrefillKey, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec
 from jaxspec.models.kernel_plan import KernelPlan
@@ -68,8 +72,14 @@ class EngineAPI(Protocol):
         """One step at padded k (a menu value) with optional per-row caps ≤ k. Raises MenuMissError
         for a shape outside the menu and CapacityError when a row has no room."""
 
+    def dispatch_step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> PendingStep:
+        """`step` split in two: start the step and return at once; `result()` of what it returns waits for
+        it. The step's shape is chosen from each row's `length` (an upper bound while steps are in flight);
+        a slot freed before the step is read keeps nothing of it. Raises as `step` does."""
+
     def length(self, slot: int) -> int:
-        """Committed tokens of `slot`."""
+        """Committed tokens of `slot`; with steps in flight (dispatched, not read), an upper bound: the
+        length read so far plus cap + 1 per unread step."""
 
     def room(self, slot: int) -> int:
         """The largest k this slot can verify in one step (cache positions left minus the bonus)."""
@@ -98,5 +108,5 @@ def prefill_prompt(engine: EngineAPI, slot: int, prompt: Sequence[int], params: 
     return first
 
 
-__all__ = ["CapacityError", "CatchUpCall", "CatchUpKey", "EngineAPI", "Menu", "MenuMissError", "PrefillKey",
-           "ShapeKey", "StepKey", "prefill_prompt"]
+__all__ = ["CapacityError", "CatchUpCall", "CatchUpKey", "EngineAPI", "Menu", "MenuMissError", "PendingStep",
+           "PrefillKey", "ShapeKey", "StepKey", "prefill_prompt"]

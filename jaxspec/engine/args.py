@@ -72,6 +72,9 @@ class EngineArgs:
                                 "XLA:CPU's cache attention and panel matmuls, Pallas attention on GPU) or 'xla' (the "
                                 "XLA form everywhere); docs/design.md, 'The kernel plan'",
                                 shown=f"${KERNELS_ENV}, else auto", metavar="auto|xla")
+    no_overlap: bool = _flag(False, "run the synchronous decode loop: read each step's tokens before dispatching the "
+                             "next (the default overlaps them: docs/design.md, 'The overlapped loop'); for comparison",
+                             shown="overlapped", action="store_true")
 
     def __post_init__(self):
         if self.proposer not in PROPOSERS:

@@ -5,7 +5,8 @@ starts `jax.distributed` (gloo collectives on CPU) before anything touches a dev
 every process's devices and the engine's mesh (jaxspec.mesh) may span processes. Each process builds the
 same engine (same flags, same menu). Process 0, the *leader*, runs the command as in one process (the
 scheduler, the policy, the gRPC server, the batch job) on a `LeaderEngine`: before each call that changes
-engine state (warmup, prefill_chunk, step, free, reset; a step's draft catch-up runs inside `step`) it sends
+engine state (warmup, prefill_chunk, step, dispatch_step and the reading of a dispatched step, free, reset; a
+step's draft catch-up runs inside it) it sends
 the call and its host arguments to every other process, then makes it itself. The others, *followers*, run
 `follow(engine, link)`: they make each received call on their own engine, so every process calls the same
 executables in the same order with the same host inputs; outputs are read on process 0 only.
@@ -72,7 +73,8 @@ CONNECT_TIMEOUT_S = 120  # processes starting up: jax.distributed.initialize and
 SHUTDOWN_TIMEOUT_S = 60  # jax.distributed's shutdown barrier at exit
 FAILURE_GRACE_S = 3.0  # after a failed engine call: time for a peer's death or error report to arrive
 DETERMINISTIC_ERRORS = (CapacityError, MenuMissError)  # raised on the host before device work, alike everywhere
-MUTATING_CALLS = ("warmup", "prefill_chunk", "step", "free", "reset")  # what followers mirror
+# what followers mirror (reading a dispatched step moves the host mirrors that choose the next step's shape)
+MUTATING_CALLS = ("warmup", "prefill_chunk", "step", "dispatch_step", "read_step", "free", "reset")
 KEY_TYPES = {cls.__name__: cls for cls in (StepKey, PrefillKey, CatchUpKey)}
 
 
@@ -369,6 +371,7 @@ class LeaderEngine:
         self.dtype = engine.dtype
         self.mesh_spec = engine.mesh_spec
         self.kernels = engine.kernels
+        self._dispatched = 0  # dispatch_step calls so far: a dispatched step's id
         with self._lock:
             link.send("hello", fingerprint(engine))
 
@@ -406,6 +409,17 @@ class LeaderEngine:
                 "row_k": None if row_k is None else [int(r) for r in row_k]}
         return self._run("step", args, lambda: self.engine.step(slot_ids, k, row_k))
 
+    def dispatch_step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> LeaderStep:
+        """`EngineAPI.dispatch_step`, mirrored; reading the step (`result()`) is mirrored too, so every process's
+        length bounds, and so the shapes of later steps, stay the same."""
+        with self._lock:
+            self._dispatched += 1
+            step_id = self._dispatched
+            args = {"id": step_id, "slot_ids": [int(s) for s in slot_ids], "k": int(k),
+                    "row_k": None if row_k is None else [int(r) for r in row_k]}
+            local = self._run("dispatch_step", args, lambda: self.engine.dispatch_step(slot_ids, k, row_k))
+        return LeaderStep(self, step_id, local)
+
     def free(self, slot: int) -> None:
         return self._run("free", {"slot": int(slot)}, lambda: self.engine.free(slot))
 
@@ -432,6 +446,21 @@ class LeaderEngine:
     @property
     def catch_up_totals(self):
         return self.engine.catch_up_totals
+
+
+@dataclasses.dataclass(eq=False)
+class LeaderStep:
+    """A step the leader dispatched; the first `result()` tells the followers to read their copy of it too."""
+
+    engine: LeaderEngine
+    step_id: int
+    local: Any  # the local engine's PendingStep
+    done: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self.done is None:
+            self.done = self.engine._run("read_step", {"id": self.step_id}, self.local.result)
+        return self.done
 
 
 # --- followers ----------------------------------------------------------------------------------
@@ -502,6 +531,7 @@ def follow(engine: EngineAPI, link: FollowerLink) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
     expected = 1
+    dispatched: dict[int, Any] = {}  # the leader's step id -> this engine's PendingStep, until read
     while True:
         message = link.next_call()
         seq, call, args = message.get("seq"), message.get("call"), message.get("args", {})
@@ -522,7 +552,7 @@ def follow(engine: EngineAPI, link: FollowerLink) -> int:
                                 "start every process with the same flags")
             continue
         try:
-            _apply(engine, call, args)
+            _apply(engine, call, args, dispatched)
         except DETERMINISTIC_ERRORS:
             pass  # raised on the leader too, before any device work: its driver handles it
         except Exception as exc:  # noqa: BLE001 - any other failure ends the run, with its reason
@@ -530,7 +560,7 @@ def follow(engine: EngineAPI, link: FollowerLink) -> int:
             link.fail(f"engine call {call} failed: {type(exc).__name__}: {exc}")
 
 
-def _apply(engine: EngineAPI, call: str, args: dict[str, Any]) -> None:
+def _apply(engine: EngineAPI, call: str, args: dict[str, Any], dispatched: dict[int, Any]) -> None:
     if call == "warmup":
         keys = None if args["keys"] is None else [decode_key(k) for k in args["keys"]]
         engine.warmup(keys, progress=False)
@@ -540,6 +570,12 @@ def _apply(engine: EngineAPI, call: str, args: dict[str, Any]) -> None:
                              args["seed"])
     elif call == "step":
         engine.step(args["slot_ids"], args["k"], args["row_k"])
+    elif call == "dispatch_step":
+        dispatched[args["id"]] = engine.dispatch_step(args["slot_ids"], args["k"], args["row_k"])
+    elif call == "read_step":
+        step = dispatched.pop(args["id"], None)  # None: its dispatch raised a deterministic error on every process
+        if step is not None:
+            step.result()
     elif call == "free":
         engine.free(args["slot"])
     elif call == "reset":

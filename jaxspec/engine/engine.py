@@ -34,6 +34,7 @@ import numpy as np
 from jaxspec.engine.api import prefill_prompt
 from jaxspec.engine.executables import CompiledMenu
 from jaxspec.engine.kernels import kernel_plan_for
+from jaxspec.engine.pending import SlotMirror
 from jaxspec.engine.step_bodies import PrefillInputs, StepBodies
 from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, PrefillKey, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec, make_mesh
@@ -118,7 +119,10 @@ class Engine:
         self._proposer_params = self.proposer.params(self.proposer_placement)
         self.bodies = StepBodies(self._graphdef, self.proposer, menu, self.kernels)
         self.executables = CompiledMenu(menu, self._lower)
-        self.lengths = np.zeros(menu.num_slots, np.int64)  # host mirror of committed lengths
+        # host mirror of committed lengths, with an upper bound for steps in flight (jaxspec.engine.pending)
+        self._mirror = SlotMirror(menu.num_slots)
+        self.lengths = self._mirror.lengths  # committed lengths as of the steps read so far
+        self._in_flight: list[DispatchedStep] = []  # dispatched, not read yet, in dispatch order
         self.proposer_lengths = np.zeros(menu.num_slots, np.int64)  # host mirror: what the proposer saw
         self.catch_up_totals = CatchUpTotals()
         self._state_shardings = jax.tree_util.tree_map_with_path(self._state_sharding,
@@ -274,35 +278,72 @@ class Engine:
         return prefill_prompt(self, slot, prompt, params, seed)
 
     def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> StepResult:
-        """One speculative step (k = 0: plain decoding) for the given slots.
+        """One speculative step (k = 0: plain decoding) for the given slots: `dispatch_step(...).result()`."""
+        return self.dispatch_step(slot_ids, k, row_k).result()
 
-        Row i verifies at most min(k, row_k[i]) proposals. The step runs at the shape
-        `Menu.step_shape` gives: the smallest menu k ≥ every row's cap (rows all capped at 0 run the
-        k = 0 executable, without draft catch-up) and the window of each row's own length + cap."""
-        n = len(slot_ids)
+    def dispatch_step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> DispatchedStep:
+        """Start one speculative step (k = 0: plain decoding) for the given slots; returns without waiting.
+
+        Row i verifies at most min(k, row_k[i]) proposals. The step runs at the shape `Menu.step_shape` gives
+        for each row's length bound (`length`: exact when no step is in flight, else the read length plus
+        cap + 1 per unread step) and cap: the smallest menu k ≥ every row's cap (rows all capped at 0 run the
+        k = 0 executable, without draft catch-up) and the window of max(bound + cap) + 1. A speculating step
+        of a context-tracking draft first reads the steps in flight (its catch-up plan needs exact lengths)."""
+        slots = [int(s) for s in slot_ids]
+        n = len(slots)
         b = self.menu.batch_bucket(n)
-        shape = self.menu.step_shape(self.lengths[list(slot_ids)], row_k, k)
-        k_run = shape.k
-        caps = np.zeros((b,), np.int32)  # [B] padding rows (scratch slot) propose nothing
-        caps[:n] = shape.caps
-        fn = self.executables.get(StepKey(b, k_run, shape.window))
+        shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
         catch_up_calls, catch_up_s = 0, 0.0
-        if k_run > 0 and self.proposer.tracks_context:
+        if shape.k > 0 and self.proposer.tracks_context:
+            if self._mirror.unread[slots].any():
+                self.settle()
+                shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
+            fn = self.executables.get(StepKey(b, shape.k, shape.window))  # a miss raises before any catch-up
             started = time.perf_counter()
-            catch_up_calls = self._catch_up(slot_ids)
+            catch_up_calls = self._catch_up(slots)
             if catch_up_calls:
                 jax.block_until_ready(self.state)  # time the catch-up apart from the step
                 catch_up_s = time.perf_counter() - started
                 self.catch_up_totals.add(catch_up_calls, catch_up_s)
-        slots = np.full((b,), self.scratch_slot, np.int32)
-        slots[:n] = slot_ids
-        self.state, packed = fn(self._params, self._proposer_params, self.state, slots, caps)
-        packed = np.asarray(packed)[:n]  # the one host copy of this step
+        else:
+            fn = self.executables.get(StepKey(b, shape.k, shape.window))
+        caps = np.zeros((b,), np.int32)  # [B] padding rows (scratch slot) propose nothing
+        caps[:n] = shape.caps
+        padded = np.full((b,), self.scratch_slot, np.int32)  # [B]
+        padded[:n] = slots
+        self.state, packed = fn(self._params, self._proposer_params, self.state, padded, caps)
+        epochs = self._mirror.dispatched(slots, shape.caps)
+        step = DispatchedStep(self, slots, epochs, np.asarray(shape.caps, np.int64), shape.k, packed,
+                              catch_up_calls, catch_up_s)
+        self._in_flight.append(step)
+        return step
+
+    def settle(self) -> None:
+        """Read every step in flight (the host mirrors are then exact)."""
+        if self._in_flight:
+            self._in_flight[-1].result()
+
+    def _read_through(self, step: DispatchedStep) -> None:
+        """Read the steps in flight up to `step` in dispatch order (or `step` alone if it is no longer in flight:
+        dropped by `reset`), setting each one's result."""
+        if step not in self._in_flight:
+            step.done = self._read(step)
+            return
+        while self._in_flight:
+            first = self._in_flight.pop(0)
+            first.done = self._read(first)
+            if first is step:
+                return
+
+    def _read(self, step: DispatchedStep) -> StepResult:
+        """The one host copy of a step; applies its counts to the rows whose slots were not freed meanwhile."""
+        n, k_run = len(step.slots), step.k_run
+        packed = np.asarray(step.packed)[:n]  # [n, k+4]: waits for the step
         result = StepResult(tokens=packed[:, : k_run + 1], counts=packed[:, k_run + 1], proposed=packed[:, k_run + 2],
-                            catch_up_calls=catch_up_calls, catch_up_s=catch_up_s)
+                            catch_up_calls=step.catch_up_calls, catch_up_s=step.catch_up_s)
+        current = self._mirror.read(step.slots, step.epochs, step.caps, result.counts)  # [n]
         if self.proposer.tracks_context:  # what the draft holds now, as its commit left it
-            self.proposer_lengths[list(slot_ids)] = packed[:, k_run + 3]
-        self.lengths[list(slot_ids)] += result.counts
+            self.proposer_lengths[np.asarray(step.slots)[current]] = packed[current, k_run + 3]
         return result
 
     def catch_up_plan(self, slot: int) -> list[CatchUpCall]:
@@ -311,7 +352,7 @@ class Engine:
         `propose` feeds itself is left ([] if none)."""
         if not self.proposer.tracks_context:
             return []
-        return self.menu.catch_up_plan(int(self.proposer_lengths[slot]), int(self.lengths[slot]),
+        return self.menu.catch_up_plan(int(self.proposer_lengths[slot]), self.length(slot),
                                        self.proposer.in_step_catch_up)
 
     def _catch_up(self, slot_ids: Sequence[int]) -> int:
@@ -327,10 +368,11 @@ class Engine:
         return calls
 
     def length(self, slot: int) -> int:
-        return int(self.lengths[slot])
+        """Committed tokens of `slot`: exact with no step in flight, else an upper bound (`dispatch_step`)."""
+        return int(self._mirror.bound([slot])[0])
 
     def room(self, slot: int) -> int:
-        return self.menu.room(int(self.lengths[slot]))
+        return self.menu.room(self.length(slot))
 
     def state_lost(self) -> bool:
         """True if a failed call consumed (donated) the device state."""
@@ -340,11 +382,36 @@ class Engine:
         """Empty every slot with fresh device state (e.g. after a failed call left the donated
         state invalid). Compiled executables are kept."""
         self.state = self._init_state()
-        self.lengths[:] = 0
+        self._in_flight.clear()  # their results can still be read; they no longer touch any slot
+        self._mirror.reset()
         self.proposer_lengths[:] = 0
 
     def free(self, slot: int) -> None:
-        """Forget a slot's contents (the next prefill overwrites it)."""
-        self.lengths[slot] = 0
+        """Forget a slot's contents (the next prefill overwrites it). A step in flight that holds the slot
+        still runs; reading it leaves the slot alone."""
+        self._mirror.free(slot)
         self.proposer_lengths[slot] = 0
 
+
+
+@dataclasses.dataclass(eq=False)
+class DispatchedStep:
+    """A step `Engine.dispatch_step` started (a `jaxspec.engine.pending.PendingStep`).
+
+    slots [n], epochs [n] (the slots' epochs at dispatch), caps [n], k_run: the step's rows and shape;
+    packed: [B, k_run+4] on the device, read by the first `result()`."""
+
+    engine: Engine
+    slots: list[int]
+    epochs: np.ndarray
+    caps: np.ndarray
+    k_run: int
+    packed: jax.Array
+    catch_up_calls: int
+    catch_up_s: float
+    done: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self.done is None:
+            self.engine._read_through(self)
+        return self.done

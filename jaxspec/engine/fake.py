@@ -8,7 +8,9 @@ a row verifying c proposals commits min(accept, c) + 1 tokens: the output is the
 
 Everything else is the real engine's contract: the same menu arithmetic (`jaxspec.menu.Menu`),
 MenuMissError for a shape that was not warmed up, CapacityError past max_len, lazy draft catch-up
-plans when `tracks_context`, free/reset. `calls` records every call for assertions.
+plans when `tracks_context`, free/reset, split steps (`dispatch_step`: the arithmetic runs at dispatch, the
+host-visible lengths move when the step is read, as the real engine's mirror does). `calls` records every
+call for assertions.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxspec.engine.pending import SlotMirror
 from jaxspec.menu import CapacityError, CatchUpCall, Menu, MenuMissError, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec
 from jaxspec.models.kernel_plan import XLA_PLAN
@@ -82,7 +85,7 @@ class FakeEngine:
         key = self._ready(self.menu.prefill_key(start, n))
         self.calls.append(FakeCall("prefill", key, (slot,)))
         self._history[slot][start:] = [int(t) for t in tokens]
-        self._lengths[slot] = start + n
+        self._lengths[slot] = self._mirror.lengths[slot] = start + n
         if start == 0:  # the draft sees the prompt lazily, in the first speculating step's catch-up
             self._seen[slot] = 0
         if not is_last:
@@ -91,8 +94,11 @@ class FakeEngine:
         return self._pending[slot]
 
     def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> StepResult:
+        return self.dispatch_step(slot_ids, k, row_k).result()
+
+    def dispatch_step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> FakeStep:
         slots = [int(s) for s in slot_ids]
-        shape = self.menu.step_shape([self._lengths[s] for s in slots], row_k, k)
+        shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)  # as the real engine: the host's bound
         key = self._ready(StepKey(self.menu.batch_bucket(len(slots)), shape.k, shape.window))
         catch_up = 0
         if key.k > 0 and self.tracks_context:
@@ -116,14 +122,17 @@ class FakeEngine:
             if key.k > 0 and self.tracks_context:  # the draft saw pending and the accepted proposals
                 self._seen[slot] = self._lengths[slot] + 1 + min(accepted, key.k - 1)
             self._lengths[slot] += accepted + 1
-        return StepResult(tokens=tokens, counts=counts, proposed=np.asarray(shape.caps, np.int64),
-                          catch_up_calls=catch_up)
+        result = StepResult(tokens=tokens, counts=counts, proposed=np.asarray(shape.caps, np.int64),
+                            catch_up_calls=catch_up)
+        step = FakeStep(self, slots, self._mirror.dispatched(slots, shape.caps), shape.caps, result)
+        self._in_flight.append(step)
+        return step
 
     def length(self, slot: int) -> int:
-        return self._lengths[slot]
+        return int(self._mirror.bound([slot])[0])
 
     def room(self, slot: int) -> int:
-        return self.menu.room(self._lengths[slot])
+        return self.menu.room(self.length(slot))
 
     def catch_up_plan(self, slot: int) -> list[CatchUpCall]:
         if not self.tracks_context:
@@ -136,6 +145,7 @@ class FakeEngine:
     def free(self, slot: int) -> None:
         self._lengths[slot] = self._seen[slot] = 0
         self._history[slot] = []
+        self._mirror.free(slot)
 
     def reset(self) -> None:
         slots = self.menu.num_slots
@@ -143,7 +153,25 @@ class FakeEngine:
         self._seen = [0] * slots  # tokens the proposer has seen (catch-up)
         self._pending = [0] * slots
         self._history: list[list[int]] = [[] for _ in range(slots)]
+        self._mirror = SlotMirror(slots)  # what the host has read (lengths) and the bound of what it has not
+        self._in_flight: list[FakeStep] = []
         self.lost = False
+
+    def read_through(self, step: FakeStep) -> None:
+        """Read the steps in flight up to `step`, in dispatch order (as the real engine): their counts reach
+        the host-visible lengths of the slots not freed meanwhile."""
+        if step not in self._in_flight:  # dropped by reset: it touches nothing
+            step.read = True
+            return
+        while self._in_flight and not step.read:
+            first = self._in_flight.pop(0)
+            self._mirror.read(first.slots, first.epochs, first.caps, first.computed.counts)
+            first.read = True
+        step.read = True
+
+    def in_flight(self) -> int:
+        """Steps dispatched and not read yet."""
+        return len(self._in_flight)
 
     # --- for tests ------------------------------------------------------------------------
 
@@ -165,3 +193,20 @@ class FakeEngine:
         if key not in self.compiled:
             raise MenuMissError(f"shape {key} was not compiled in warm-up")
         return key
+
+
+@dataclasses.dataclass(eq=False)
+class FakeStep:
+    """A step the fake engine dispatched (computed already); reading it moves the host-visible lengths."""
+
+    engine: FakeEngine
+    slots: list[int]
+    epochs: np.ndarray
+    caps: tuple[int, ...]
+    computed: StepResult
+    read: bool = False
+
+    def result(self) -> StepResult:
+        if not self.read:
+            self.engine.read_through(self)
+        return self.computed

@@ -6,9 +6,15 @@ caller's thread); any thread may `submit`, `cancel` and read a request's events.
     cancellations  ->  admission: waiting requests take free slots (FIFO)
                    ->  prefill: at most `prefill_token_budget` prompt tokens (≥ one chunk), so a long
                        prompt never stalls running requests for its whole prefill
-                   ->  decode: BatchView -> policy.choose -> engine.step -> policy.observe, step listeners
+                   ->  decode: BatchView -> policy.choose -> engine.dispatch_step; then the step dispatched
+                       before (overlapped) or this one (synchronous) is read -> policy.observe, step listeners
                    ->  per request: output processing (jaxspec.scheduling.output) streams the new tokens and text;
                        finished requests retire and free their slots
+
+Overlapped (the default; docs/design.md, "The overlapped loop"): step n+1 is dispatched from the device-resident
+state before step n's tokens are read, so the policy, output processing and streaming of step n run while the
+device computes n+1. A row joins step n+1 only when no outcome of step n can change what the policy sees of it
+(its cap); a row that finishes in step n has its step n+1 tokens discarded (its slot was freed).
 
 The loop talks to the engine only through the engine contract (`jaxspec.engine.api.EngineAPI`).
 Request values, the handle and the validator are in `jaxspec.scheduling.requests`.
@@ -31,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from jaxspec.engine.api import EngineAPI
+from jaxspec.engine.api import EngineAPI, PendingStep
 from jaxspec.policy.base import BatchView, Decision, Policy
 from jaxspec.policy.fixed import NoSpeculation
 from jaxspec.scheduling.detokenizer import ByteTokenizer
@@ -64,11 +70,13 @@ class SchedulerConfig:
     prefill_token_budget: prompt tokens prefilled per loop iteration between decode steps (at least
                           one chunk always runs); None = the engine's largest prefill bucket.
     max_running:          requests admitted at once; None = the engine's largest batch bucket.
+    overlap:              dispatch step n+1 before reading step n (False: the synchronous loop, `--no-overlap`).
     """
 
     max_queue: int = 1024
     prefill_token_budget: int | None = None
     max_running: int | None = None
+    overlap: bool = True
 
     def __post_init__(self):
         if self.max_running is not None and self.max_running < 1:
@@ -84,8 +92,9 @@ class StepStats:
     """One decode step as the scheduler saw it (what step listeners receive).
 
     view:      what the policy saw.   decision: what it chose.   result: what the engine returned.
-    elapsed_s: wall seconds of `engine.step` on the scheduler's clock, lazy draft catch-up included
-               (`result.catch_up_s` of them).
+    elapsed_s: wall seconds from the step's dispatch, or from the previous step's read if later, to its read,
+               on the scheduler's clock, lazy draft catch-up included (`result.catch_up_s` of them). Synchronous:
+               the step's own time; overlapped: the loop's period per step (what the step costs the loop).
     """
 
     view: BatchView
@@ -100,6 +109,23 @@ class StepStats:
 
 
 StepListener = Callable[[StepStats], None]
+
+
+@dataclasses.dataclass(eq=False)
+class _InFlight:
+    """A dispatched decode step not read yet: its rows (the requests as dispatched), what the policy saw and
+    chose, the engine's pending step, and when it was dispatched."""
+
+    rows: list[_Live]
+    slots: list[int]
+    view: BatchView
+    decision: Decision
+    pending: PendingStep
+    dispatched_at: float
+
+    def cap(self, i: int) -> int:
+        """Row i's effective k in this step."""
+        return self.decision.k if self.decision.row_k is None else self.decision.row_k[i]
 
 
 @dataclasses.dataclass(eq=False)
@@ -178,6 +204,8 @@ class Scheduler:
         self.iterations = 0  # loop iterations (idle waits excluded)
         self.steps_run = 0  # decode steps
         self.engine_resets = 0
+        self._in_flight: _InFlight | None = None  # overlapped: the step dispatched and not read yet
+        self._last_read_at = float("-inf")  # when the last step was read (the overlapped step's start)
 
     # --- the public contract (any thread) ----------------------------------------------
 
@@ -312,7 +340,7 @@ class Scheduler:
             self._loop_active = True
 
     def _has_work_locked(self) -> bool:
-        return bool(self._waiting or self._cancel_ids or self._slots)
+        return bool(self._waiting or self._cancel_ids or self._slots or self._in_flight is not None)
 
     def step_once(self) -> bool:
         """One loop iteration. Returns whether anything happened."""
@@ -398,9 +426,39 @@ class Scheduler:
         return view, room
 
     def _decode(self) -> bool:
-        rows = sorted((r for r in self._slots.values() if r.running), key=lambda r: r.slot)
-        if not rows:
-            return False
+        """Dispatch a step over the rows that may join it, then read the step dispatched before it (overlapped)
+        or this one (synchronous)."""
+        previous, self._in_flight = self._in_flight, None
+        rows = self._dispatchable(previous)
+        if rows:
+            self._in_flight = self._dispatch(rows)
+        if previous is not None:
+            self._read(previous)
+        if not self.config.overlap and self._in_flight is not None:
+            current, self._in_flight = self._in_flight, None
+            self._read(current)
+        return bool(rows) or previous is not None
+
+    def _dispatchable(self, previous: _InFlight | None) -> list[_Live]:
+        """Running rows, by slot, that may join the next step while `previous` is unread: a row not in it, or one
+        whose cap no outcome of it can change (room and tokens wanted after its most tokens leave at least the
+        menu's largest k). The others sit this step out and join the one after, with their counts read."""
+        running = sorted((r for r in self._slots.values() if r.running), key=lambda r: r.slot)
+        if previous is None:
+            return running
+        held = {id(live): i for i, live in enumerate(previous.rows)}
+        largest_k = self.engine.menu.max_k
+        rows = []
+        for live in running:
+            i = held.get(id(live))
+            # after `previous`, at least remaining - (cap + 1) tokens are still wanted; room is from the bound
+            if i is None or min(self.engine.room(live.slot),
+                                live.output.remaining - previous.cap(i) - 2) >= largest_k:
+                rows.append(live)
+        return rows
+
+    def _dispatch(self, rows: list[_Live]) -> _InFlight | None:
+        """policy.choose then engine.dispatch_step for `rows`; None when either failed (the rows failed)."""
         view, room = self._view(rows)
         try:
             decision = self.policy.choose(view)
@@ -408,26 +466,48 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001
             log.exception("policy.choose failed")
             self._fail_all(rows, f"policy {self.policy.name!r} failed: {exc!r}")
-            return True
+            return None
+        slots = [r.slot for r in rows]
         t0 = self.clock()
         try:
-            result = self.engine.step([r.slot for r in rows], decision.k,
-                                      list(decision.row_k) if decision.row_k is not None else None)
+            pending = self.engine.dispatch_step(slots, decision.k,
+                                                list(decision.row_k) if decision.row_k is not None else None)
         except Exception as exc:  # noqa: BLE001
             log.exception("engine step failed")
             self._recover_engine(f"engine step failed: {exc!r}")
-            return True
-        stats = StepStats(view, decision, result, self.clock() - t0)
+            return None
+        return _InFlight(rows, slots, view, decision, pending, t0)
+
+    def _read(self, step: _InFlight) -> None:
+        """Read a dispatched step: publish it, let the policy observe it, deliver the rows still live."""
+        live = [self._slots.get(slot) is row for row, slot in zip(step.rows, step.slots)]  # not finished meanwhile
+        try:
+            result = step.pending.result()
+        except Exception as exc:  # noqa: BLE001
+            log.exception("engine step failed")
+            if any(live) or self.engine.state_lost():
+                self._recover_engine(f"engine step failed: {exc!r}")
+            return
+        now = self.clock()
+        stats = StepStats(step.view, step.decision, result, now - max(step.dispatched_at, self._last_read_at))
+        self._last_read_at = now
         self.steps_run += 1
         self._publish(stats)
         try:  # the policy's cost model times the step executable: lazy catch-up is not part of it
-            self.policy.observe(view, decision, result, stats.executable_s)
+            self.policy.observe(step.view, step.decision, result, stats.executable_s)
+            for row, alive in zip(step.rows, live):
+                if not alive:  # finished after this step was dispatched: observing it must not bring it back
+                    self.policy.forget(row.request_id)
         except Exception as exc:  # noqa: BLE001
             log.exception("policy.observe failed")
-            self._fail_all(rows, f"policy {self.policy.name!r} failed to observe a step: {exc!r}")
-            return True
-        self._deliver_step(rows, decision, result)
-        return True
+            self._fail_all([r for r, alive in zip(step.rows, live) if alive],
+                           f"policy {self.policy.name!r} failed to observe a step: {exc!r}")
+            return
+        for i, (row, alive) in enumerate(zip(step.rows, live)):
+            if alive and row.slot is not None:  # (a row before it in this loop cannot free it, but be exact)
+                row.steps.append(StepRecord(k=step.cap(i), proposed=int(result.proposed[i]),
+                                            accepted=int(result.accepted[i])))
+                self._deliver(row, result.row_tokens(i))
 
     def _publish(self, stats: StepStats) -> None:
         for listener in self._step_listeners:
@@ -449,12 +529,6 @@ class Scheduler:
         for row_k, room in zip(effective, cache_room):
             if row_k > room:
                 raise PolicyDecisionError(f"k={row_k} does not fit the cache (room for k <= {room})")
-
-    def _deliver_step(self, rows: list[_Live], decision: Decision, result: StepResult) -> None:
-        for i, live in enumerate(rows):
-            row_k = decision.k if decision.row_k is None else decision.row_k[i]
-            live.steps.append(StepRecord(k=row_k, proposed=int(result.proposed[i]), accepted=int(result.accepted[i])))
-            self._deliver(live, result.row_tokens(i))
 
     def _deliver(self, live: _Live, tokens: list[int]) -> None:
         """Pass a row's new tokens through its output processor, stream them, retire it if finished."""
@@ -507,8 +581,10 @@ class Scheduler:
             self._finish(live, FinishReason.ERROR, error)
 
     def _recover_engine(self, error: str, spare: _Live | None = None) -> None:
-        """Reset the engine: running requests fail; requests still prefilling start over."""
+        """Reset the engine: running requests fail; requests still prefilling start over; a step in flight
+        is dropped."""
         self.engine.reset()
+        self._in_flight = None
         self.engine_resets += 1
         for live in list(self._slots.values()):
             if live is spare:
@@ -523,3 +599,9 @@ class Scheduler:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for live in [*waiting, *self._slots.values()]:
             self._finish(live, reason, error)
+        step, self._in_flight = self._in_flight, None
+        if step is not None:  # its rows are finished: read it only so that the engine holds nothing of it
+            try:
+                step.pending.result()
+            except Exception:  # noqa: BLE001 - nothing is left to fail
+                log.exception("reading an abandoned step failed")

@@ -94,7 +94,8 @@ def run(args: argparse.Namespace, build: Builder) -> int:
     engine, tokenizer, policy = build(args)
     try:
         summary = run_batch(engine, tokenizer, policy, args.input, args.output, defaults=defaults,
-                            progress=not args.no_progress, max_queue=args.max_queue)
+                            progress=not args.no_progress, max_queue=args.max_queue,
+                            overlap=not getattr(args, "no_overlap", False))
     except BatchJobError as exc:
         print(f"jaxspec batch: {exc}", file=sys.stderr)
         return 2
@@ -146,15 +147,16 @@ class BatchSummary:
 
 def run_batch(engine: EngineAPI, tokenizer: Any, policy: Policy | None, input_path: str | os.PathLike,
               output_path: str | os.PathLike, *, defaults: SamplingParams = SamplingParams(), progress: bool = True,
-              max_queue: int = 256, log: TextIO | None = None) -> BatchSummary:
+              max_queue: int = 256, log: TextIO | None = None, overlap: bool = True) -> BatchSummary:
     """Generate a record for every input line not yet in the output (see the module docstring).
-    The engine must be warmed up (a shape outside its menu fails the requests that need it)."""
+    The engine must be warmed up (a shape outside its menu fails the requests that need it).
+    overlap=False: the synchronous scheduler loop (`--no-overlap`)."""
     log = log or sys.stderr
     t0 = time.monotonic()
     lines = read_input(Path(input_path))
     limits = RequestLimits.for_engine(engine, tokenizer)
     with ResumableOutput(Path(output_path)) as out:
-        scheduler = Scheduler(engine, policy, tokenizer, SchedulerConfig(max_queue=max_queue))
+        scheduler = Scheduler(engine, policy, tokenizer, SchedulerConfig(max_queue=max_queue, overlap=overlap))
         counts = dict(already_done=0, completed=0, errors=0, malformed=0, duplicates=0, tokens=0, proposed=0,
                       accepted=0)
         reasons: dict[str, int] = {}

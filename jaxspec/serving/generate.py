@@ -13,7 +13,7 @@ import time
 from jaxspec.engine import distributed
 from jaxspec.engine.args import EngineArgs
 from jaxspec.scheduling.requests import InvalidRequestError, Request, RequestLimits, validate_request
-from jaxspec.scheduling.scheduler import Scheduler
+from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
 from jaxspec.serving.runtime import build_runtime, follow_runtime
 from jaxspec.types import SamplingParams
 
@@ -70,7 +70,7 @@ def _generate(args: argparse.Namespace, engine_args: EngineArgs, params: Samplin
         requests.append(request)
 
     runtime = build_runtime(engine_args, progress=True, before_warmup=tokenize_and_check, leader=leader)
-    scheduler = Scheduler(runtime.engine, runtime.policy, runtime.tokenizer)
+    scheduler = Scheduler(runtime.engine, runtime.policy, runtime.tokenizer, SchedulerConfig(overlap=runtime.overlap))
     ready = time.perf_counter()
     handle = scheduler.submit(requests[0])
     scheduler.start()

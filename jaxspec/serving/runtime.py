@@ -26,12 +26,13 @@ TokenizerLike = Any  # encode / token_bytes / eos_token_ids / apply_chat_templat
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """A warmed-up engine (a `LeaderEngine` on process 0 of a multi-process run) with its tokenizer and
-    speculation policy."""
+    speculation policy; `overlap`: the scheduler's loop (False: `--no-overlap`, the synchronous loop)."""
 
     engine: EngineAPI
     tokenizer: TokenizerLike
     policy: Policy
     model_name: str
+    overlap: bool = True
 
 
 def resolve_tokenizer(spec: str, model_tokenizer: TokenizerLike | None, model_name: str) -> TokenizerLike:
@@ -115,7 +116,7 @@ def build_runtime(engine_args: EngineArgs, progress: bool = True, before_warmup:
     engine: EngineAPI = local if leader is None else LeaderEngine(local, leader)
     engine.warmup(progress=progress)
     policy = early_policy or build_policy(spec, engine=engine, progress=progress)
-    return Runtime(engine, tokenizer, policy, model_name)
+    return Runtime(engine, tokenizer, policy, model_name, overlap=not engine_args.no_overlap)
 
 
 def follow_runtime(engine_args: EngineArgs, link: FollowerLink, **menu_overrides) -> int:

@@ -29,7 +29,7 @@ class ServeConfig:
         model's own), or a toy one for random-weight presets: 'ascii', 'bytes'; dtype: 'auto' (float32 on
         CPU, bfloat16 on GPU/TPU), 'float32', 'bfloat16'; mesh: 'data=D,model=M' (None: the menu's, else 1,1);
         tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only); kernels: 'auto' or
-        'xla' (None: $JAXSPEC_KERNELS, else auto)
+        'xla' (None: $JAXSPEC_KERNELS, else auto); no_overlap: the synchronous scheduler loop (`--no-overlap`)
     host:               the gRPC address to bind; off loopback, plain text (no tls_cert) needs allow_plaintext
     metrics_port:       None = no metrics endpoint; 0 = an ephemeral port
     metrics_host:       the address /metrics binds (no auth, no TLS: loopback unless set)
@@ -60,6 +60,7 @@ class ServeConfig:
     mesh: str | None = None
     tree: str | None = None
     kernels: str | None = None
+    no_overlap: bool = False
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
@@ -116,7 +117,7 @@ class ServeConfig:
         """The engine this config names (ValueError for a bad proposer, tokenizer or policy)."""
         return EngineArgs(model=self.model, proposer=self.proposer, draft=self.draft, policy=self.policy,
                           menu=self.menu, tokenizer=self.tokenizer, dtype=self.dtype, mesh=self.mesh,
-                          tree=self.tree, kernels=self.kernels)
+                          tree=self.tree, kernels=self.kernels, no_overlap=self.no_overlap)
 
 
 def load_serve_config(path: str | Path | None = None, **overrides) -> ServeConfig:

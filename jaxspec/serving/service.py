@@ -251,7 +251,8 @@ class GenerationServer:
         policy = source if source is None or isinstance(source, Policy) else source(self.engine)
         cfg = self.config
         self.scheduler = Scheduler(self.engine, policy, self.tokenizer,
-                                   SchedulerConfig(max_queue=cfg.max_queue, max_running=self._capacity),
+                                   SchedulerConfig(max_queue=cfg.max_queue, max_running=self._capacity,
+                                                   overlap=not cfg.no_overlap),
                                    step_listeners=(self.metrics.observe_step,))
         self.policy = self.scheduler.policy  # None: the scheduler's default (no speculation)
         self.metrics.bind(self.scheduler)
