@@ -159,8 +159,8 @@ def test_a_prefill_chunk_has_run_when_it_returns(fresh, monkeypatch):
         zero = (m[0, 0] * 0).astype(jnp.int32)  # [] 0, known only once the chain has run
         return jax.tree.map(lambda x: x | (zero != 0) if x.dtype == jnp.bool_ else x + zero.astype(x.dtype), outputs)
 
-    compiled = fresh._executable
-    monkeypatch.setattr(fresh, "_executable", lambda key: lambda *args: slowed(compiled(key)(*args)))
+    compiled = fresh.executables.get
+    monkeypatch.setattr(fresh.executables, "get", lambda key: lambda *args: slowed(compiled(key)(*args)))
     assert fresh.prefill_chunk(0, chunk, 0, False, GREEDY, 0) is None
     pending = [x for x in jax.tree.leaves(fresh.state) if not x.is_ready()]
     if pending:
