@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,14 +35,14 @@ from jaxspec.engine.api import prefill_prompt
 from jaxspec.engine.executables import CompiledMenu
 from jaxspec.engine.kernels import kernel_plan_for
 from jaxspec.engine.step_bodies import PrefillInputs, StepBodies
-from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, PrefillKey, ShapeKey, StepKey
+from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, PrefillKey, ShapeKey, StepKey, TreeEnvelope
 from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.models.kernel_plan import KernelChoice
 from jaxspec.models.kv_cache import init_cache
 from jaxspec.models.llama import Llama, serving_split
 from jaxspec.models.sharding import cache_spec, padded_slots, plan_layout, replicated_layout, serving_placement
 from jaxspec.speculation.proposers.base import NoProposer, Proposer
-from jaxspec.types import DecodeState, SamplingParams, SlotParams, StepResult
+from jaxspec.types import DecodeState, HostProposals, SamplingParams, SlotParams, StepResult
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -116,6 +116,8 @@ class Engine:
         self.proposer_placement = serving_placement(self.mesh, replicated_layout(target.config, mesh.model),
                                                     self.proposer_kernels)
         self._proposer_params = self.proposer.params(self.proposer_placement)
+        #: the host structure a proposer with `host_proposals` proposes from (the scheduler feeds it), else None
+        self.suffix_index = getattr(self.proposer, "index", None) if self.proposer.host_proposals else None
         self.bodies = StepBodies(self._graphdef, self.proposer, menu, self.kernels)
         self.executables = CompiledMenu(menu, self._lower)
         self.lengths = np.zeros(menu.num_slots, np.int64)  # host mirror of committed lengths
@@ -180,9 +182,11 @@ class Engine:
         rep, state = self._replicated, self._state_shardings
         params, proposer_params = jax.tree.map(lambda x: x.sharding, (self._params, self._proposer_params))
         if isinstance(key, StepKey):
+            host = (rep,) if self.proposer.host_proposals else ()  # host proposals: one more input
             fn = jax.jit(self.bodies.step(key.k, key.window), donate_argnums=(2,),
-                         in_shardings=(params, proposer_params, state, rep, rep), out_shardings=(state, rep))
-            return fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch))
+                         in_shardings=(params, proposer_params, state, rep, rep, *host), out_shardings=(state, rep))
+            return fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch),
+                            *self._host_inputs(key.batch, key.k, spec=True))
         if isinstance(key, CatchUpKey):
             fn = jax.jit(self.bodies.catch_up(key.chunk, key.window), donate_argnums=(1,),
                          in_shardings=(proposer_params, state, rep, rep, rep), out_shardings=state)
@@ -206,7 +210,8 @@ class Engine:
         zero = np.zeros((1,), np.int32)
         if isinstance(key, StepKey):  # padding rows: the scratch slot, proposing nothing
             rows = np.full((key.batch,), self.scratch_slot, np.int32)
-            self.state, _ = fn(self._params, self._proposer_params, self.state, rows, np.zeros_like(rows))
+            self.state, _ = fn(self._params, self._proposer_params, self.state, rows, np.zeros_like(rows),
+                               *self._host_inputs(key.batch, key.k))
         elif isinstance(key, CatchUpKey):
             self.state = fn(self._proposer_params, self.state, scratch, zero, zero)
         else:  # PrefillKey: one token at position 0 of the scratch slot, not the prompt's last chunk
@@ -226,8 +231,31 @@ class Engine:
         else: no catch-up, no host mirrors. Returns the packed result [B, k+4] on the device, not copied (for
         benchmarks that time the executable alone: jaxspec.bench.floor, benchmarks/host_overhead.py)."""
         self.state, packed = self.executables.get(key)(self._params, self._proposer_params, self.state,
-                                                      np.asarray(slot_ids, np.int32), np.asarray(caps, np.int32))
+                                                      np.asarray(slot_ids, np.int32), np.asarray(caps, np.int32),
+                                                      *self._host_inputs(key.batch, key.k))
         return packed
+
+    def _host_inputs(self, batch: int, k: int, proposals: HostProposals | None = None, spec: bool = False) -> tuple:
+        """The step's host-proposal input for a proposer with `host_proposals` (else none): `proposals` ([n, ≥ k]
+        per row, n ≤ batch) cut to k columns and padded to `batch` rows proposing nothing; zeros when None;
+        abstract shapes with `spec`."""
+        if not self.proposer.host_proposals:
+            return ()
+        if spec:
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+            return (HostProposals(token_ids=i32(batch, k), lens=i32(batch), parents=i32(batch, k),
+                                  depth=i32(batch, k)),)
+        padded = HostProposals(token_ids=np.zeros((batch, k), np.int32), lens=np.zeros((batch,), np.int32),
+                               parents=np.zeros((batch, k), np.int32), depth=np.zeros((batch, k), np.int32))
+        if proposals is not None:
+            n = len(proposals.lens)
+            for name in ("token_ids", "parents", "depth"):  # [n, ≥ k] -> [B, k]
+                values = np.asarray(getattr(proposals, name), np.int32)
+                if values.shape[0] != n or values.shape[1] < k:
+                    raise ValueError(f"host proposals' {name} has shape {values.shape}; need ({n}, >= {k})")
+                getattr(padded, name)[:n] = values[:, :k]
+            padded.lens[:n] = np.minimum(np.asarray(proposals.lens, np.int32), k)
+        return (padded,)
 
     def set_length(self, slot: int, length: int) -> None:
         """Set a slot's committed length on the device and in the host mirror (positions past it are ignored
@@ -273,8 +301,13 @@ class Engine:
         seed = seed if seed is not None else (params.seed if params.seed is not None else 0)
         return prefill_prompt(self, slot, prompt, params, seed)
 
-    def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> StepResult:
+    def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None,
+             host_proposals: Callable[[int, TreeEnvelope | None], HostProposals] | None = None) -> StepResult:
         """One speculative step (k = 0: plain decoding) for the given slots.
+
+        A proposer with `host_proposals` needs `host_proposals(k_run, tree)`: each row's proposals ([n, k_run]
+        numpy arrays; a tree inside the envelope `tree` when the step runs one), called once the step's shape is
+        known and only when k_run > 0.
 
         Row i verifies at most min(k, row_k[i]) proposals. The step runs at the shape
         `Menu.step_shape` gives: the smallest menu k ≥ every row's cap (rows all capped at 0 run the
@@ -296,7 +329,14 @@ class Engine:
                 self.catch_up_totals.add(catch_up_calls, catch_up_s)
         slots = np.full((b,), self.scratch_slot, np.int32)
         slots[:n] = slot_ids
-        self.state, packed = fn(self._params, self._proposer_params, self.state, slots, caps)
+        host = None
+        if self.proposer.host_proposals and k_run > 0:
+            if host_proposals is None:
+                raise ValueError(f"the {self.proposer.name!r} proposer proposes on the host: step() needs "
+                                 f"host_proposals")
+            host = host_proposals(k_run, self.menu.tree_at(k_run))
+        self.state, packed = fn(self._params, self._proposer_params, self.state, slots, caps,
+                                *self._host_inputs(b, k_run, host))
         packed = np.asarray(packed)[:n]  # the one host copy of this step
         result = StepResult(tokens=packed[:, : k_run + 1], counts=packed[:, k_run + 1], proposed=packed[:, k_run + 2],
                             catch_up_calls=catch_up_calls, catch_up_s=catch_up_s)

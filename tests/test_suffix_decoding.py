@@ -1,0 +1,110 @@
+"""Suffix decoding through the engine and the scheduler: lossless at temperature 0 (token for token plain
+decoding, chains and trees, several batches, no compiles after warm-up), and the scheduler keeps the suffix index
+in step with the requests it runs (finished outputs kept, cancelled ones taken out)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxspec.engine import compile_counter
+from jaxspec.engine.engine import Engine
+from jaxspec.menu import Menu, TreeEnvelope
+from jaxspec.models.config import TINY
+from jaxspec.policy.fixed import FixedPolicy
+from jaxspec.scheduling.requests import FinishReason, Request
+from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
+from jaxspec.speculation.proposers.suffix import SuffixProposer
+from jaxspec.speculation.suffix_tree import SuffixConfig, SuffixIndex
+from jaxspec.types import SamplingParams
+from tests.conftest import random_prompts, reference_greedy
+
+MENU = Menu(num_slots=4, max_len=128, batch_buckets=(1, 4), k_menu=(0, 2, 4, 6), window_buckets=(128,),
+            prefill_buckets=(32,), tree_envelopes=(TreeEnvelope(6, 3),))
+N_NEW = 20
+PROMPT_LENGTHS = (5, 17, 9, 12)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    compile_counter.install()
+    engine = Engine(tiny_model, SuffixProposer(SuffixIndex(SuffixConfig(depth=16, min_prob=0.0))), MENU)
+    engine.warmup(progress=False)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    prompts = random_prompts(PROMPT_LENGTHS, TINY.vocab_size, seed=3)
+    return prompts, [reference_greedy(tiny_model, p, N_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])  # 6 runs the tree envelope 6:3
+@pytest.mark.parametrize("running", [1, 4])
+def test_greedy_equals_plain_decoding(engine, references, k, running):
+    prompts, expected = references
+    compiles = compile_counter.count()
+    sched = Scheduler(engine, FixedPolicy(k), config=SchedulerConfig(max_running=running))
+    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    accepted = proposed = 0
+    for round_ in range(2):  # the second round repeats the first: its outputs are in the global trie
+        reqs = [Request(f"k{k}-r{running}-{round_}-{i}", p, params) for i, p in enumerate(prompts)]
+        for result, want in zip(sched.generate_all(reqs), expected, strict=True):
+            assert list(result.token_ids) == want, result.request_id
+            if round_:
+                accepted += sum(s.accepted for s in result.steps)
+                proposed += sum(s.proposed for s in result.steps)
+    assert compile_counter.count() == compiles  # host proposals are traced inputs: no new shapes
+    assert proposed > 0 and accepted / proposed > 0.5  # repeats are proposed from earlier outputs, mostly accepted
+
+
+def test_wrong_proposals_change_nothing(engine, references):
+    """Outputs of other prompts (mostly wrong continuations here) feed the trie: the output is unchanged."""
+    prompts, expected = references
+    sched = Scheduler(engine, FixedPolicy(4), config=SchedulerConfig(max_running=4))
+    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    # same prompt tails, other heads: matches lead into other requests' continuations
+    mixed = [prompts[(i + 1) % 4][:3] + p[3:] for i, p in enumerate(prompts)]
+    sched.generate_all([Request(f"m{i}", p, params) for i, p in enumerate(mixed)])
+    results = sched.generate_all([Request(f"w{i}", p, params) for i, p in enumerate(prompts)])
+    assert [list(r.token_ids) for r in results] == expected
+
+
+def test_the_scheduler_feeds_and_cleans_the_index(tiny_model, references):
+    prompts, _ = references
+    index = SuffixIndex(SuffixConfig(depth=8, max_requests=2))
+    engine = Engine(tiny_model, SuffixProposer(index), MENU.replace(tree_envelopes=(), k_menu=(0, 2)))
+    engine.warmup(progress=False)
+    sched = Scheduler(engine, FixedPolicy(2))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    done = [sched.generate_all([Request(f"d{i}", p, params)])[0] for i, p in enumerate(prompts[:3])]  # in turn
+    assert index.retained() == ("d1", "d2")  # two kept, the oldest evicted
+    trie = index.output_trie()
+    assert trie.sequence("d2") == tuple(done[2].token_ids)  # the committed output, first token included
+    before = trie.nodes
+    handle = sched.submit(Request("c", prompts[3], SamplingParams(max_tokens=60, ignore_eos=True)))
+    for _ in range(4):
+        sched.step_once()
+    assert "c" in trie
+    handle.cancel()
+    while not handle.done():
+        sched.step_once()
+    assert handle.result().finish_reason == FinishReason.CANCELLED
+    assert "c" not in trie and trie.nodes == before and index.nodes == before
+
+
+def test_step_without_host_proposals_is_refused(engine):
+    engine.prefill(0, [3, 4, 5], SamplingParams())
+    with pytest.raises(ValueError, match="host_proposals"):
+        engine.step([0], 2)
+    engine.free(0)
+
+
+def test_host_proposals_of_the_wrong_width_are_refused(engine):
+    from jaxspec.types import HostProposals
+    engine.prefill(0, [3, 4, 5], SamplingParams())
+    short = HostProposals(token_ids=np.zeros((1, 1), np.int32), lens=np.ones((1,), np.int32),
+                          parents=np.zeros((1, 1), np.int32), depth=np.zeros((1, 1), np.int32))
+    with pytest.raises(ValueError, match="host proposals"):
+        engine.step([0], 2, host_proposals=lambda k, tree: short)
+    engine.free(0)
