@@ -108,3 +108,15 @@ def test_host_proposals_of_the_wrong_width_are_refused(engine):
     with pytest.raises(ValueError, match="host proposals"):
         engine.step([0], 2, host_proposals=lambda k, tree: short)
     engine.free(0)
+
+
+def test_engine_args_build_the_suffix_proposer(tiny_model):
+    from jaxspec.engine.args import EngineArgs
+    from jaxspec.engine.build import build_proposer
+
+    args = EngineArgs(proposer="suffix", suffix_scope="tenant", suffix_requests=7, tree="4:2")
+    proposer = build_proposer("suffix", tiny_model, suffix=args.suffix_config())
+    assert isinstance(proposer, SuffixProposer) and proposer.index.config.scope == "tenant"
+    assert proposer.index.config.max_requests == 7
+    with pytest.raises(ValueError, match="scope"):
+        EngineArgs(proposer="suffix", suffix_scope="world")

@@ -288,6 +288,12 @@ class SuffixIndex:
         if not finished:
             del self._finished[scope_key]
 
+    def clear(self) -> None:
+        """Forget every request and output (e.g. between benchmark runs that must start alike)."""
+        self._outputs.clear()
+        self._finished.clear()
+        self._live.clear()
+
     def retained(self, scope_key: Hashable = "global") -> tuple[Hashable, ...]:
         """The finished requests whose outputs a scope keeps, oldest first."""
         return tuple(self._finished.get(scope_key, {}))
