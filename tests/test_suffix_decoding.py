@@ -120,3 +120,39 @@ def test_engine_args_build_the_suffix_proposer(tiny_model):
     assert proposer.index.config.max_requests == 7
     with pytest.raises(ValueError, match="scope"):
         EngineArgs(proposer="suffix", suffix_scope="world")
+
+
+def test_sampling_keeps_the_target_distribution(engine, tiny_model):
+    """At temperature 1 (top-k 4) with suffix proposals (an earlier output of the same prompt, often rejected),
+    the second token given the first follows the target: one Pearson test (tests/test_sampling_distribution.py's
+    judge) over the groups of the first token, at α = 1e-3."""
+    import jax
+    from scipy.stats import chi2
+
+    from tests.conftest import _jitted_forward
+    from tests.test_sampling_distribution import _pearson
+
+    prompt = [5, 9, 13, 9, 5, 2]
+    index = engine.suffix_index
+    index.clear()
+    sched = Scheduler(engine, FixedPolicy(4), config=SchedulerConfig(max_running=4))
+    sched.generate_all([Request("seed-output", prompt, SamplingParams(max_tokens=8, ignore_eos=True))])  # greedy
+    n = 800
+    params = [SamplingParams(temperature=1.0, top_k=4, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    results = sched.generate_all([Request(f"t{s}", prompt, p) for s, p in enumerate(params)])
+    index.clear()
+    pairs = np.array([r.token_ids[:2] for r in results])  # [n, 2]
+    assert sum(s.proposed for r in results for s in r.steps) > n / 2  # the step verified suffix proposals
+    forward = _jitted_forward(tiny_model)
+    v = TINY.vocab_size
+    observed, probs = np.zeros((v, v)), np.zeros((v, v))
+    for first in np.unique(pairs[:, 0]):
+        padded = np.zeros((1, 128), np.int32)
+        padded[0, :len(prompt) + 1] = prompt + [int(first)]
+        logits = np.asarray(forward(padded)[0, len(prompt)])  # [V] after (prompt, x0)
+        top = np.argsort(logits)[-4:]  # top-k 4, then temperature 1
+        probs[first, top] = np.asarray(jax.nn.softmax(logits[top]))
+        observed[first] = np.bincount(pairs[pairs[:, 0] == first, 1], minlength=v)
+    stat, df, impossible = _pearson(observed, probs)
+    assert df > 0 and impossible == 0
+    assert chi2.sf(stat, df) > 1e-3
