@@ -109,6 +109,23 @@ class TreeProposals:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class HostProposals:
+    """Proposals made on the host (suffix decoding), passed into the step as traced inputs.
+
+    token_ids: [B, k] int32 proposed tokens (chain) or node tokens (tree); padding past `lens` is ignored.
+    lens:      [B] int32 real proposals (nodes) per row.
+    parents:   [B, k] int32 a tree node's parent (0: the root, i ≥ 1: node i); zeros for a chain.
+    depth:     [B, k] int32 a tree node's depth (≥ 1); zeros for a chain.
+    """
+
+    token_ids: jax.Array
+    lens: jax.Array
+    parents: jax.Array
+    depth: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodeState:
     """Everything on device between steps; donated into every step.
 

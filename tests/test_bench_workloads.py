@@ -45,3 +45,15 @@ def test_parse_names():
     assert parse_names("all") == WORKLOADS
     with pytest.raises(ValueError, match="unknown workload"):
         parse_names("chat,poetry")
+
+
+def test_agentic_sessions_keep_related_requests_together():
+    from jaxspec.bench.workloads import AGENT_SESSION, load_workload
+
+    w = load_workload("agentic", None, 2 * AGENT_SESSION, max_prompt_tokens=512, vocab_size=512)
+    again = load_workload("agentic", None, 2 * AGENT_SESSION, max_prompt_tokens=512, vocab_size=512)
+    assert w.prompts == again.prompts  # seeded: every policy gets the same requests
+    for s in range(2):
+        texts = w.texts[s * AGENT_SESSION:(s + 1) * AGENT_SESSION]
+        contexts = {t[:60] for t in texts}  # one schema or function (cut to fit, so compared by its start)
+        assert len(contexts) == 1 and len(set(texts)) == AGENT_SESSION

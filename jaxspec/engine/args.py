@@ -20,6 +20,7 @@ from jaxspec.mesh import MeshSpec
 from jaxspec.models.kernel_plan import KERNELS_ENV, KernelChoice, kernel_choice
 from jaxspec.policy.spec import HELP as POLICY_HELP
 from jaxspec.policy.spec import PolicySpec
+from jaxspec.speculation.suffix_tree import SCOPES, SuffixConfig
 
 TOKENIZERS = ("model", "ascii", "bytes")  # the model's own, or a toy one (jaxspec.serving.toy_tokenizer.TOY_TOKENIZERS)
 
@@ -51,6 +52,12 @@ class EngineArgs:
                               "'self', 'truncated:N' (first N target layers) or a model spec", shown="default")
     ngram: tuple[int, int] = _flag((1, 3), "n-gram sizes tried by --proposer ngram, longest first", shown="1,3",
                                    type=_ngram_range, metavar="MIN,MAX")
+    suffix_scope: str = _flag("global", "whose outputs --proposer suffix proposes from: 'global' (every recent "
+                              "request's), 'tenant' (the same tenant's) or 'off' (the request's own prompt and output)",
+                              shown="global", metavar="|".join(SCOPES))
+    suffix_requests: int = _flag(SuffixConfig.max_requests, "finished requests whose outputs --proposer suffix keeps "
+                                 f"(and at most {SuffixConfig.max_tokens} of their tokens; the oldest go first)",
+                                 shown=str(SuffixConfig.max_requests), type=int, metavar="N")
     policy: str | None = _flag(None, f"speculation policy: {POLICY_HELP}",
                                shown="goodput with a proposer, else none")
     menu: str = _flag("default", "engine shape menu: a name in jaxspec/configs/engine.yaml or a YAML file",
@@ -87,19 +94,25 @@ class EngineArgs:
         if not 1 <= low <= high:
             raise ValueError(f"ngram needs 1 <= MIN <= MAX, got {self.ngram}")
         self.policy_spec()  # a bad or proposer-less policy fails here, before anything loads
+        self.suffix_config()  # a bad suffix scope or bound fails here too
         if self.mesh is not None:
             MeshSpec.parse(self.mesh)  # a bad mesh fails here too
         self.kernel_choice()  # a bad --kernels (or $JAXSPEC_KERNELS) fails here too
         if self.tree is not None:
             self.tree_envelope()  # a bad envelope fails here too
-            if self.proposer not in ("ngram", "draft"):
-                raise ValueError(f"--tree needs --proposer ngram or draft (a {self.proposer!r} proposer has no tree)")
+            if self.proposer not in ("ngram", "draft", "suffix"):
+                raise ValueError(f"--tree needs --proposer ngram, draft or suffix (a {self.proposer!r} proposer has "
+                                 f"no tree)")
             if self.proposer == "draft" and (self.draft or "").startswith("feature"):
                 raise ValueError("--tree with the feature draft is not implemented (it drafts chains only): use the "
                                  "token draft (--draft default or a DIR) or --proposer ngram")
             if self.policy_spec().name == "goodput-per-request":
                 raise ValueError("--tree with --policy goodput-per-request is not implemented (its per-row k "
                                  "prices chains only): use --policy goodput, fixed:N, heuristic or table")
+
+    def suffix_config(self) -> SuffixConfig:
+        """--proposer suffix's index settings (jaxspec.speculation.suffix_tree.SuffixConfig)."""
+        return SuffixConfig(scope=self.suffix_scope, max_requests=self.suffix_requests)
 
     def tree_envelope(self):
         """The parsed --tree (a jaxspec.menu.TreeEnvelope), or None."""

@@ -29,8 +29,10 @@ from jaxspec.speculation.proposers.base import Proposer
 from jaxspec.speculation.proposers.draft_model import DraftModelProposer
 from jaxspec.speculation.proposers.feature_draft import FeatureDraftProposer
 from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
+from jaxspec.speculation.proposers.suffix import SuffixProposer
+from jaxspec.speculation.suffix_tree import SuffixConfig, SuffixIndex
 
-PROPOSERS = ("none", "draft", "ngram")
+PROPOSERS = ("none", "draft", "ngram", "suffix")
 
 
 def model_cache_dir() -> str:
@@ -116,11 +118,15 @@ def build_feature_draft(spec: str, target: Llama) -> FeatureDraft:
 
 def build_proposer(kind: str, target: Llama, draft: str | None = None,
                    ngram: tuple[int, int] = (1, 3), mesh: MeshSpec = MeshSpec(),
-                   kernels: KernelChoice = "auto") -> Proposer | None:
+                   kernels: KernelChoice = "auto", suffix: SuffixConfig = SuffixConfig()) -> Proposer | None:
+    """The proposer `kind` names (None for 'none'); 'suffix' gets a fresh suffix index with `suffix`'s scope and
+    bounds (docs/design.md, "Suffix decoding")."""
     if kind == "none":
         return None
     if kind == "ngram":
         return PromptLookupProposer(min_ngram=ngram[0], max_ngram=ngram[1])
+    if kind == "suffix":
+        return SuffixProposer(SuffixIndex(suffix))
     if kind == "draft":
         spec = draft or "default"
         if spec == "feature" or spec.startswith("feature:"):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +36,14 @@ from jaxspec.engine.executables import CompiledMenu
 from jaxspec.engine.kernels import kernel_plan_for
 from jaxspec.engine.pending import SlotMirror
 from jaxspec.engine.step_bodies import PrefillInputs, StepBodies
-from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, PrefillKey, ShapeKey, StepKey
+from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, PrefillKey, ShapeKey, StepKey, TreeEnvelope
 from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.models.kernel_plan import KernelChoice
 from jaxspec.models.kv_cache import init_cache
 from jaxspec.models.llama import Llama, serving_split
 from jaxspec.models.sharding import cache_spec, padded_slots, plan_layout, replicated_layout, serving_placement
 from jaxspec.speculation.proposers.base import NoProposer, Proposer
-from jaxspec.types import DecodeState, SamplingParams, SlotParams, StepResult
+from jaxspec.types import DecodeState, HostProposals, SamplingParams, SlotParams, StepResult
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -117,6 +117,8 @@ class Engine:
         self.proposer_placement = serving_placement(self.mesh, replicated_layout(target.config, mesh.model),
                                                     self.proposer_kernels)
         self._proposer_params = self.proposer.params(self.proposer_placement)
+        #: the host structure a proposer with `host_proposals` proposes from (the scheduler feeds it), else None
+        self.suffix_index = getattr(self.proposer, "index", None) if self.proposer.host_proposals else None
         self.bodies = StepBodies(self._graphdef, self.proposer, menu, self.kernels)
         self.executables = CompiledMenu(menu, self._lower)
         # host mirror of committed lengths, with an upper bound for steps in flight (jaxspec.engine.pending)
@@ -184,9 +186,11 @@ class Engine:
         rep, state = self._replicated, self._state_shardings
         params, proposer_params = jax.tree.map(lambda x: x.sharding, (self._params, self._proposer_params))
         if isinstance(key, StepKey):
+            host = (rep,) if self.proposer.host_proposals else ()  # host proposals: one more input
             fn = jax.jit(self.bodies.step(key.k, key.window), donate_argnums=(2,),
-                         in_shardings=(params, proposer_params, state, rep, rep), out_shardings=(state, rep))
-            return fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch))
+                         in_shardings=(params, proposer_params, state, rep, rep, *host), out_shardings=(state, rep))
+            return fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch),
+                            *self._host_inputs(key.batch, key.k, spec=True))
         if isinstance(key, CatchUpKey):
             fn = jax.jit(self.bodies.catch_up(key.chunk, key.window), donate_argnums=(1,),
                          in_shardings=(proposer_params, state, rep, rep, rep), out_shardings=state)
@@ -210,7 +214,8 @@ class Engine:
         zero = np.zeros((1,), np.int32)
         if isinstance(key, StepKey):  # padding rows: the scratch slot, proposing nothing
             rows = np.full((key.batch,), self.scratch_slot, np.int32)
-            self.state, _ = fn(self._params, self._proposer_params, self.state, rows, np.zeros_like(rows))
+            self.state, _ = fn(self._params, self._proposer_params, self.state, rows, np.zeros_like(rows),
+                               *self._host_inputs(key.batch, key.k))
         elif isinstance(key, CatchUpKey):
             self.state = fn(self._proposer_params, self.state, scratch, zero, zero)
         else:  # PrefillKey: one token at position 0 of the scratch slot, not the prompt's last chunk
@@ -230,8 +235,31 @@ class Engine:
         else: no catch-up, no host mirrors. Returns the packed result [B, k+4] on the device, not copied (for
         benchmarks that time the executable alone: jaxspec.bench.floor, benchmarks/host_overhead.py)."""
         self.state, packed = self.executables.get(key)(self._params, self._proposer_params, self.state,
-                                                      np.asarray(slot_ids, np.int32), np.asarray(caps, np.int32))
+                                                      np.asarray(slot_ids, np.int32), np.asarray(caps, np.int32),
+                                                      *self._host_inputs(key.batch, key.k))
         return packed
+
+    def _host_inputs(self, batch: int, k: int, proposals: HostProposals | None = None, spec: bool = False) -> tuple:
+        """The step's host-proposal input for a proposer with `host_proposals` (else none): `proposals` ([n, ≥ k]
+        per row, n ≤ batch) cut to k columns and padded to `batch` rows proposing nothing; zeros when None;
+        abstract shapes with `spec`."""
+        if not self.proposer.host_proposals:
+            return ()
+        if spec:
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+            return (HostProposals(token_ids=i32(batch, k), lens=i32(batch), parents=i32(batch, k),
+                                  depth=i32(batch, k)),)
+        padded = HostProposals(token_ids=np.zeros((batch, k), np.int32), lens=np.zeros((batch,), np.int32),
+                               parents=np.zeros((batch, k), np.int32), depth=np.zeros((batch, k), np.int32))
+        if proposals is not None:
+            n = len(proposals.lens)
+            for name in ("token_ids", "parents", "depth"):  # [n, ≥ k] -> [B, k]
+                values = np.asarray(getattr(proposals, name), np.int32)
+                if values.shape[0] != n or values.shape[1] < k:
+                    raise ValueError(f"host proposals' {name} has shape {values.shape}; need ({n}, >= {k})")
+                getattr(padded, name)[:n] = values[:, :k]
+            padded.lens[:n] = np.minimum(np.asarray(proposals.lens, np.int32), k)
+        return (padded,)
 
     def set_length(self, slot: int, length: int) -> None:
         """Set a slot's committed length on the device and in the host mirror (positions past it are ignored
@@ -277,18 +305,26 @@ class Engine:
         seed = seed if seed is not None else (params.seed if params.seed is not None else 0)
         return prefill_prompt(self, slot, prompt, params, seed)
 
-    def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> StepResult:
+    def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None,
+             host_proposals: Callable[[int, TreeEnvelope | None], HostProposals] | None = None) -> StepResult:
         """One speculative step (k = 0: plain decoding) for the given slots: `dispatch_step(...).result()`."""
-        return self.dispatch_step(slot_ids, k, row_k).result()
+        return self.dispatch_step(slot_ids, k, row_k, host_proposals).result()
 
-    def dispatch_step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> DispatchedStep:
+    def dispatch_step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None,
+                      host_proposals: Callable[[int, TreeEnvelope | None], HostProposals] | None = None
+                      ) -> DispatchedStep:
         """Start one speculative step (k = 0: plain decoding) for the given slots; returns without waiting.
 
         Row i verifies at most min(k, row_k[i]) proposals. The step runs at the shape `Menu.step_shape` gives
         for each row's length bound (`length`: exact when no step is in flight, else the read length plus
         cap + 1 per unread step) and cap: the smallest menu k ≥ every row's cap (rows all capped at 0 run the
         k = 0 executable, without draft catch-up) and the window of max(bound + cap) + 1. A speculating step
-        of a context-tracking draft first reads the steps in flight (its catch-up plan needs exact lengths)."""
+        of a context-tracking draft first reads the steps in flight (its catch-up plan needs exact lengths).
+
+        A proposer with `host_proposals` needs `host_proposals(k_run, tree)`: each row's proposals ([n, k_run]
+        numpy arrays; a tree inside the envelope `tree` when the step runs one), called once the step's shape is
+        known and only when k_run > 0, after the steps in flight are read (the proposals continue what they
+        committed)."""
         slots = [int(s) for s in slot_ids]
         n = len(slots)
         b = self.menu.batch_bucket(n)
@@ -307,11 +343,22 @@ class Engine:
                 self.catch_up_totals.add(catch_up_calls, catch_up_s)
         else:
             fn = self.executables.get(StepKey(b, shape.k, shape.window))
+        host = None
+        if self.proposer.host_proposals and shape.k > 0:
+            if host_proposals is None:
+                raise ValueError(f"the {self.proposer.name!r} proposer proposes on the host: step() needs "
+                                 f"host_proposals")
+            if self._mirror.unread[slots].any():
+                self.settle()
+                shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
+                fn = self.executables.get(StepKey(b, shape.k, shape.window))
+            host = host_proposals(shape.k, self.menu.tree_at(shape.k))
         caps = np.zeros((b,), np.int32)  # [B] padding rows (scratch slot) propose nothing
         caps[:n] = shape.caps
         padded = np.full((b,), self.scratch_slot, np.int32)  # [B]
         padded[:n] = slots
-        self.state, packed = fn(self._params, self._proposer_params, self.state, padded, caps)
+        self.state, packed = fn(self._params, self._proposer_params, self.state, padded, caps,
+                                *self._host_inputs(b, shape.k, host))
         epochs = self._mirror.dispatched(slots, shape.caps)
         step = DispatchedStep(self, slots, epochs, np.asarray(shape.caps, np.int64), shape.k, packed,
                               catch_up_calls, catch_up_s)

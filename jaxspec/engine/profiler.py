@@ -25,11 +25,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from jaxspec.engine.api import prefill_prompt
 from jaxspec.menu import CapacityError
 from jaxspec.policy.cost_model import CostEntry, CostProfile, ProfileKey
+from jaxspec.types import HostProposals
 
 PROBE_PAIRS = 8  # minimum full/capped pairs per batch bucket in the real-token probe
 SIGNIFICANT_SHARE = 0.75  # share of pairs that must show a saving for c_real to count
@@ -104,8 +106,11 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
         if (shape.k, shape.window) != (k, window):
             raise RuntimeError(f"profiling (k={k}, W={window}) would run the step at (k={shape.k}, "
                                f"W={shape.window})")
+        extra = {}
+        if getattr(engine, "suffix_index", None) is not None:  # host proposals: full ones, the shape's cost
+            extra["host_proposals"] = lambda k_run, tree: filler_proposals(len(rows), k_run)
         t0 = clock()
-        engine.step(rows, k, row_k)
+        engine.step(rows, k, row_k, **extra)
         return clock() - t0
 
     def time_steps(rows: list[int], k: int, window: int, ctx: int) -> float:
@@ -157,3 +162,11 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
 
 
 # --- `jaxspec profile` --------------------------------------------------------------------------
+
+
+def filler_proposals(n: int, k: int) -> HostProposals:
+    """n rows of k host proposals that fit any chain and any tree envelope at k (distinct children of the root):
+    what a step costs does not depend on which tokens it verifies."""
+    tokens = np.tile(np.arange(k, dtype=np.int32), (n, 1))  # [n, k]
+    return HostProposals(token_ids=tokens, lens=np.full((n,), k, np.int32), parents=np.zeros_like(tokens),
+                         depth=np.ones_like(tokens))

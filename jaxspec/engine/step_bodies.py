@@ -75,17 +75,19 @@ class StepBodies:
                          keys=sampling.row_keys(p.seed[slot_ids], state.n_generated[slot_ids]))
 
     def step(self, k: int, window: int) -> Callable:
-        """The (B, k, W) step: (target_params, proposer_params, state, slot_ids [B], row_k [B]) -> (state, packed)."""
+        """The (B, k, W) step: (target_params, proposer_params, state, slot_ids [B], row_k [B][, host]) -> (state,
+        packed); `host` (a `HostProposals` of [B, k]) only for a proposer with `host_proposals`."""
         proposer = self.proposer
         scratch = self.menu.num_slots
         tree = self.menu.tree_at(k)
 
-        def body(target_params, proposer_params, state: DecodeState, slot_ids, row_k):
+        def body(target_params, proposer_params, state: DecodeState, slot_ids, row_k, host=None):
             target, layers = nnx.merge(self.graphdef, target_params[0]), target_params[1]
             b = slot_ids.shape[0]
             start = state.cache.lengths[slot_ids]  # [B]
             pending = state.pending[slot_ids]  # [B]
-            ctx = StepContext(slot_ids=slot_ids, start=start, history=state.history, rows=self.rows(state, slot_ids))
+            ctx = StepContext(slot_ids=slot_ids, start=start, history=state.history, rows=self.rows(state, slot_ids),
+                              host=host)
             if tree is not None:  # a token tree of k nodes (jaxspec/speculation/tree.py)
                 nodes, pstate = proposer.propose_tree(proposer_params, state.proposer, ctx, tree, window)
                 # row b verifies nodes 1 .. min(lens, row_k[b]): a parent-closed prefix at most that deep

@@ -234,6 +234,37 @@ class TreeYieldTracker:
             del self._requests[key]
 
 
+class ConfidenceCalibration:
+    """How far a host proposer's confidences (suffix decoding's trie frequencies, `BatchView.proposal_rates`) are
+    to be trusted: κ = accepted / predicted tokens, where a step's prediction for a row is Σ_{d≤c} Π_{j≤d} conf_j
+    over the c tokens it verified. Discounted like `AcceptanceTracker`: proposer-wide counts start at κ = 1 with m
+    pseudo-tokens, a request's at the proposer-wide κ with m; the policy's rate for depth d is min(1, κ_i·conf_d)."""
+
+    def __init__(self, config: AcceptanceConfig = AcceptanceConfig()):
+        self.config = config
+        m = config.prior_strength
+        self._global = [m, m]  # discounted (accepted, predicted)
+        self._requests: dict[Hashable, list[float]] = {}
+
+    def observe(self, request_id: Hashable, predicted: float, accepted: int) -> None:
+        """One verify of a row whose proposals were predicted to yield `predicted` accepted tokens."""
+        if predicted <= 0:
+            return
+        c, m = self.config, self.config.prior_strength
+        counts = self._requests.setdefault(request_id, [m * self.factor(), m])
+        for store, decay in ((counts, c.request_decay), (self._global, c.global_decay)):
+            store[0] = decay * store[0] + accepted
+            store[1] = decay * store[1] + predicted
+
+    def factor(self, request_id: Hashable | None = None) -> float:
+        """κ of a request (the proposer-wide one for an unseen request or None)."""
+        accepted, predicted = self._requests.get(request_id, self._global)
+        return accepted / predicted
+
+    def forget(self, request_id: Hashable) -> None:
+        self._requests.pop(request_id, None)
+
+
 def expected_tokens(alpha: float | np.ndarray, k: int | np.ndarray) -> np.ndarray:
     """E(k) = Σ_{j=0..k} α^j = (1 − α^{k+1}) / (1 − α), bonus token included; E = k+1 at α = 1.
 

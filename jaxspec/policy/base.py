@@ -27,6 +27,9 @@ class BatchView:
                   draft skipped the tokens committed by k = 0 steps); () when not tracked.
     trees:        the menu's token-tree envelopes (jaxspec.menu.TreeEnvelope): each runs at its k
                   in place of the chain there.
+    proposal_rates: per row, the confidence of each token of the chain a host proposer (suffix decoding) has
+                  ready: its frequency in the suffix trie given the tokens before it (none past the chain's end);
+                  () when the proposer proposes on the device.
     """
 
     request_ids: tuple[Hashable, ...]
@@ -36,6 +39,7 @@ class BatchView:
     batch_bucket: int
     catch_up_calls: tuple[int, ...] = ()
     trees: tuple[TreeEnvelope, ...] = ()
+    proposal_rates: tuple[tuple[float, ...], ...] = ()
 
     @property
     def batch_size(self) -> int:

@@ -63,6 +63,12 @@ until the tree has `explore_trials` full-envelope steps of evidence it is evalua
 measured yield takes over after those few steps (a tree far from the best chain in k would never be
 reached by neighbour exploration).
 
+Host proposals (suffix decoding): when the view carries each row's ready chain with its confidences
+(`BatchView.proposal_rates`: the trie frequency conf_i(d) of each token given the ones before it), the rates are
+α_i(d) = min(1, κ_i·conf_i(d)) for the chain's tokens and 0 past its end (a row with no match is priced at k = 0),
+with no cold start: κ_i (`ConfidenceCalibration`) is the request's measured accepted / predicted tokens, shrunk
+toward the proposer-wide ratio, which starts at 1.
+
 Feasibility: an option needs a window for its shape (the engine's capacity check); a menu value
 above every row's cap runs as a smaller one and is evaluated once, as that one.
 """
@@ -76,7 +82,7 @@ from collections.abc import Hashable
 import numpy as np
 
 from jaxspec.menu import StepShape
-from jaxspec.policy.acceptance import AcceptanceConfig, AcceptanceTracker, TreeYieldTracker
+from jaxspec.policy.acceptance import AcceptanceConfig, AcceptanceTracker, ConfidenceCalibration, TreeYieldTracker
 from jaxspec.policy.base import BatchView, Decision, Policy
 from jaxspec.policy.cost_model import CostModel, CostModelError
 from jaxspec.policy.decision_log import DecisionLog
@@ -142,6 +148,7 @@ class GoodputPolicy(Policy):
         # tree estimates share the acceptance estimator's prior and memory settings
         self.trees = TreeYieldTracker(self.acceptance.config if isinstance(self.acceptance, AcceptanceTracker)
                                       else AcceptanceConfig())
+        self.calibration = ConfidenceCalibration(self.trees.config)  # host proposers' confidences (suffix decoding)
         self.config = config
         self.log = DecisionLog(config.log_size)
         self._last: tuple[Decision, Option, bool] | None = None
@@ -155,6 +162,8 @@ class GoodputPolicy(Policy):
         """[n, k_max] α_i(d) for d = 1..k_max: the chance that row i's d-th proposal is accepted once the ones
         before it were (1 in the cold start, so speculation is tried; one α_i per request unless positional)."""
         ids = view.request_ids
+        if view.proposal_rates:  # the proposer's own confidences, calibrated by what was accepted
+            return self.confidence_rates(view, k_max)
         if self.acceptance.global_trials < self.config.explore_trials:  # cold start: try speculating
             return np.ones((len(ids), k_max))
         if not self.config.positional:
@@ -166,6 +175,15 @@ class GoodputPolicy(Policy):
                 a = np.concatenate([a, np.full(k_max - len(a), a[-1])])
             rows.append(np.clip(a[:k_max], 0.0, 1.0))
         return np.stack(rows).reshape(len(ids), k_max)
+
+    def confidence_rates(self, view: BatchView, k_max: int) -> np.ndarray:
+        """[n, k_max] min(1, κ_i·conf_i(d)) for the tokens of each row's ready chain, 0 past its end (module doc,
+        "Host proposals")."""
+        rates = np.zeros((view.batch_size, k_max))
+        for i, (rid, conf) in enumerate(zip(view.request_ids, view.proposal_rates, strict=True)):
+            used = np.asarray(conf[:k_max], np.float64)
+            rates[i, :len(used)] = np.minimum(1.0, self.calibration.factor(rid) * used)
+        return rates
 
     def row_expectations(self, view: BatchView, k_max: int) -> np.ndarray:
         """[n, k_max+1] E_i(j) = 1 + Σ_{d≤j} Π_{d'≤d} α_i(d') for j = 0..k_max."""
@@ -285,6 +303,9 @@ class GoodputPolicy(Policy):
                 continue
             trials = shape.caps[i] if self.config.short_proposal_is_rejection else proposed
             self.acceptance.observe(rid, accepted, trials)
+            if view.proposal_rates:  # what the row's confidences predicted for the tokens it verified
+                predicted = float(np.sum(np.cumprod(view.proposal_rates[i][:proposed])))
+                self.calibration.observe(rid, predicted, accepted)
         if result.catch_up_calls:
             per_call = result.catch_up_s / result.catch_up_calls
             w = self.config.catch_up_ema if self.catch_up_call_s > 0 else 1.0
@@ -300,6 +321,7 @@ class GoodputPolicy(Policy):
     def forget(self, request_id: Hashable) -> None:
         self.acceptance.forget(request_id)
         self.trees.forget(request_id)
+        self.calibration.forget(request_id)
 
 
 class GoodputPerRequestPolicy(GoodputPolicy):

@@ -61,11 +61,13 @@ class FinishReason(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One generation request; `prompt_token_ids` is already tokenised (and chat-templated)."""
+    """One generation request; `prompt_token_ids` is already tokenised (and chat-templated). `tenant`: the API key
+    or tenant it runs for (suffix decoding's 'tenant' scope shares outputs only within one)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
+    tenant: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))

@@ -57,11 +57,13 @@ from jaxspec.scheduling.requests import (
     StepRecord,
     validate_request,
 )
-from jaxspec.types import StepResult
+from jaxspec.speculation.proposers.suffix import host_proposals
+from jaxspec.types import HostProposals, StepResult
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+KEPT_OUTPUTS = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP)  # outputs suffix decoding reuses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +189,11 @@ class Scheduler:
                 raise ValueError(f"max_running={config.max_running} exceeds the largest batch bucket {self.capacity}")
             self.capacity = config.max_running
         self._prefill_budget = config.prefill_token_budget or menu.largest_chunk
+        # suffix decoding's tries (an engine whose proposer proposes on the host has one): fed from here
+        self.suffix_index = getattr(engine, "suffix_index", None)
+        # suffix proposals continue the tokens the host has read: the synchronous loop (docs/design.md, "The
+        # overlapped loop")
+        self._overlap = config.overlap and self.suffix_index is None
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -201,6 +208,7 @@ class Scheduler:
         self._step_listeners: tuple[StepListener, ...] = tuple(step_listeners)
         # engine thread only
         self._slots: dict[int, _Live] = {}  # slot -> request being prefilled or decoded
+        self._chains: list = []  # the rows' suffix chains of the current step (`_view`)
         self.iterations = 0  # loop iterations (idle waits excluded)
         self.steps_run = 0  # decode steps
         self.engine_resets = 0
@@ -371,6 +379,8 @@ class Scheduler:
         for slot, live in zip(free, admitted):
             live.slot, live.admitted = slot, now
             self._slots[slot] = live
+            if self.suffix_index is not None:
+                self.suffix_index.start(live.request_id, live.request.prompt_token_ids, live.request.tenant)
 
     def _prefill(self) -> bool:
         """Prefill prompt chunks of admitted requests (oldest first) within the token budget."""
@@ -413,6 +423,11 @@ class Scheduler:
         engine = self.engine
         slots = [r.slot for r in rows]
         room = [engine.room(s) for s in slots]
+        rates = ()
+        if self.suffix_index is not None:  # each row's chain, ready for the step, and its confidence
+            k_max = max(engine.menu.k_menu)
+            self._chains = [self.suffix_index.propose(r.request_id, k_max) for r in rows]
+            rates = tuple(c.probs for c in self._chains)
         view = BatchView(
             request_ids=tuple(r.request_id for r in rows),
             context_lens=tuple(engine.length(s) for s in slots),
@@ -422,8 +437,27 @@ class Scheduler:
             batch_bucket=engine.menu.batch_bucket(len(rows)),
             catch_up_calls=tuple(len(engine.catch_up_plan(s)) for s in slots),
             trees=engine.menu.tree_envelopes,
+            proposal_rates=rates,
         )
         return view, room
+
+    def _host_proposals(self, rows: list[_Live]):
+        """The engine's callback for the step's host proposals (suffix decoding): the chains `_view` made, or
+        trees built for the envelope the step runs."""
+        index, chains = self.suffix_index, self._chains
+
+        def proposals(k: int, tree) -> HostProposals:
+            if tree is not None:
+                return host_proposals(index, [r.request_id for r in rows], k, tree)
+            n = len(rows)
+            tokens, lens = np.zeros((n, k), np.int32), np.zeros((n,), np.int32)
+            for i, chain in enumerate(chains):
+                used = chain.tokens[:k]
+                tokens[i, :len(used)], lens[i] = used, len(used)
+            return HostProposals(token_ids=tokens, lens=lens, parents=np.zeros_like(tokens),
+                                 depth=np.zeros_like(tokens))
+
+        return proposals
 
     def _decode(self) -> bool:
         """Dispatch a step over the rows that may join it, then read the step dispatched before it (overlapped)
@@ -434,7 +468,7 @@ class Scheduler:
             self._in_flight = self._dispatch(rows)
         if previous is not None:
             self._read(previous)
-        if not self.config.overlap and self._in_flight is not None:
+        if not self._overlap and self._in_flight is not None:
             current, self._in_flight = self._in_flight, None
             self._read(current)
         return bool(rows) or previous is not None
@@ -470,8 +504,9 @@ class Scheduler:
         slots = [r.slot for r in rows]
         t0 = self.clock()
         try:
+            extra = {} if self.suffix_index is None else {"host_proposals": self._host_proposals(rows)}
             pending = self.engine.dispatch_step(slots, decision.k,
-                                                list(decision.row_k) if decision.row_k is not None else None)
+                                                list(decision.row_k) if decision.row_k is not None else None, **extra)
         except Exception as exc:  # noqa: BLE001
             log.exception("engine step failed")
             self._recover_engine(f"engine step failed: {exc!r}")
@@ -532,6 +567,8 @@ class Scheduler:
 
     def _deliver(self, live: _Live, tokens: list[int]) -> None:
         """Pass a row's new tokens through its output processor, stream them, retire it if finished."""
+        if self.suffix_index is not None:  # every committed token, as the slot's history holds it
+            self.suffix_index.extend(live.request_id, tokens)
         try:
             delta = live.output.push(tokens)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error: only this request fails
@@ -556,6 +593,8 @@ class Scheduler:
             del self._slots[live.slot]
             self.engine.free(live.slot)
             live.slot = None
+            if self.suffix_index is not None:  # a finished output stays for later requests; a cancelled one goes
+                self.suffix_index.finish(live.request_id, keep=reason in KEPT_OUTPUTS)
             try:
                 self.policy.forget(live.request_id)
             except Exception:  # noqa: BLE001 - a policy bug must not leak the request

@@ -86,7 +86,7 @@ def assemble_engine(engine_args: EngineArgs, menu: Menu,
         before_proposer(tokenizer, RequestLimits(max_len=menu.max_len, vocab_size=built.model.config.vocab_size,
                                                  stop_strings_allowed=True))
     proposer = build_proposer(engine_args.proposer, built.model, engine_args.draft, ngram=engine_args.ngram, mesh=mesh,
-                              kernels=kernels)
+                              kernels=kernels, suffix=engine_args.suffix_config())
     engine = Engine(built.model, proposer, menu, mesh=mesh, kernels=kernels)
     print(f"kernels: {engine.kernels.describe()}", file=sys.stderr)
     if mesh.size > 1:

@@ -17,7 +17,7 @@ from jaxspec.menu import TreeEnvelope
 from jaxspec.models.kernel_plan import XLA_PLAN, KernelPlan
 from jaxspec.models.llama import StepInputs
 from jaxspec.models.sharding import Placement
-from jaxspec.types import Proposals, RowParams, TreeProposals
+from jaxspec.types import HostProposals, Proposals, RowParams, TreeProposals
 
 
 @jax.tree_util.register_dataclass
@@ -28,12 +28,14 @@ class StepContext:
     slot_ids: [B] cache slot per row.      start:   [B] committed target length per row.
     history:  [S+1, M] all tokens of every slot; history[slot, start] is the row's pending token.
     rows:     the rows' sampling parameters and fresh keys.
+    host:     the proposals made on the host for this step (a proposer with `host_proposals`), else None.
     """
 
     slot_ids: jax.Array
     start: jax.Array
     history: jax.Array
     rows: RowParams
+    host: HostProposals | None = None
 
 
 class Proposer:
@@ -49,6 +51,9 @@ class Proposer:
     in_step_catch_up: int = 1
     #: Whether `propose_tree` builds token trees (jaxspec/speculation/tree.py) for a menu's tree envelopes.
     builds_trees: bool = False
+    #: Whether proposals are made on the host: every step executable then takes a `HostProposals` input
+    #: ([B, k] at its static k) that `propose` / `propose_tree` return, and `Engine.step` needs them.
+    host_proposals: bool = False
     #: The target layers (1 .. L) whose hidden states the proposer reads as its features (L: the last hidden state,
     #: before the final norm); empty: none. If any, the engine hands every target pass's features to
     #: `record_features`, k = 0 steps and prefill included.

@@ -1,0 +1,334 @@
+"""Suffix decoding's host structures (docs/design.md, "Suffix decoding"): depth-bounded suffix tries over token
+ids with per-node counts, and the index that keeps them for the server's requests.
+
+`SuffixTrie` holds every substring of at most `depth` tokens of its sequences as a path from the root; a node's
+count is how many times its substring occurs. Sequences grow token by token (O(depth) per token) and leave whole
+(their substrings' counts are taken back, nodes that reach 0 are dropped), so the trie always equals the one
+built from the sequences it holds. A proposal walks from the longest suffix of the context that has a
+continuation, taking the most frequent child each time; each token carries its conditional frequency
+(count(child) / Σ count(children)), the tree's confidence.
+
+`SuffixIndex` keeps, per scope key (global, per tenant, or none), one trie over the outputs of the last
+`max_requests` requests (and at most `max_tokens` output tokens: the oldest finished request is evicted first),
+plus one trie per live request over its own prompt. Running requests' outputs enter their scope's trie as they are
+committed; a cancelled or failed request's output is taken back out. Memory is bounded: at most
+`max_tokens + live requests' outputs` tokens in the global tries, each at most `depth` nodes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+from collections.abc import Hashable, Sequence
+
+SCOPES = ("global", "tenant", "off")
+
+
+class _Node:
+    __slots__ = ("children", "count")
+
+    def __init__(self):
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixProposal:
+    """A chain proposal: tokens, each one's conditional frequency in the trie (its confidence), and the length of
+    the context suffix it continues (0: no match, no tokens)."""
+
+    tokens: tuple[int, ...] = ()
+    probs: tuple[float, ...] = ()
+    match_len: int = 0
+
+    @property
+    def expected_accepted(self) -> float:
+        """Σ_d Π_{j≤d} probs_j: the tokens this proposal is expected to get accepted, by the trie's counts."""
+        total, reach = 0.0, 1.0
+        for p in self.probs:
+            reach *= p
+            total += reach
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixTree:
+    """A token tree proposal: node n (0-based) has token tokens[n], parent parents[n] (0: the root, i ≥ 1: node i)
+    and depth depths[n] ≥ 1; parents come first; siblings carry distinct tokens."""
+
+    tokens: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+    depths: tuple[int, ...] = ()
+
+
+class SuffixTrie:
+    """Every substring of at most `depth` tokens of the held sequences, with occurrence counts."""
+
+    def __init__(self, depth: int):
+        if depth < 2:
+            raise ValueError(f"a suffix trie needs depth >= 2, got {depth}")
+        self.depth = depth
+        self.root = _Node()
+        self.nodes = 1  # the root included
+        self._sequences: dict[Hashable, list[int]] = {}
+        self._active: dict[Hashable, list[_Node]] = {}  # per sequence: nodes of its suffixes of length 1 .. depth
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._sequences
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held over all sequences."""
+        return sum(len(s) for s in self._sequences.values())
+
+    def sequence(self, seq_id: Hashable) -> tuple[int, ...]:
+        return tuple(self._sequences[seq_id])
+
+    def extend(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """Append tokens to a sequence (a new one if unseen): each adds the substrings ending at it."""
+        seq = self._sequences.setdefault(seq_id, [])
+        active = self._active.setdefault(seq_id, [])
+        for token in tokens:
+            token = int(token)
+            grown = []
+            for node in [self.root, *active[: self.depth - 1]]:  # suffixes of length 0 .. depth-1 grow by one
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = _Node()
+                    self.nodes += 1
+                child.count += 1
+                grown.append(child)
+            active[:] = grown  # suffixes of length 1 .. depth, shortest first
+            seq.append(token)
+
+    def remove(self, seq_id: Hashable) -> None:
+        """Take a sequence's substrings back out (nodes whose count reaches 0 are dropped)."""
+        seq = self._sequences.pop(seq_id)
+        del self._active[seq_id]
+        for start in range(len(seq)):
+            node = self.root
+            for token in seq[start: start + self.depth]:
+                child = node.children[token]
+                child.count -= 1
+                if child.count == 0:
+                    self.nodes -= self._size(child)
+                    del node.children[token]
+                    break  # its descendants (counts ≤ its own) went with it
+                node = child
+
+    @staticmethod
+    def _size(node: _Node) -> int:
+        stack, n = [node], 0
+        while stack:
+            cur = stack.pop()
+            n += 1
+            stack.extend(cur.children.values())
+        return n
+
+    def match(self, context: Sequence[int]) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `context` (shorter than `depth`) that has a continuation, and its
+        length; (None, 0) if none has."""
+        for length in range(min(len(context), self.depth - 1), 0, -1):
+            node = self.root
+            for token in context[len(context) - length:]:
+                node = node.children.get(int(token))
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return node, length
+        return None, 0
+
+    def propose(self, context: Sequence[int], max_tokens: int, min_prob: float) -> SuffixProposal:
+        """The most frequent continuation of the context's longest continued suffix, up to `max_tokens` tokens,
+        stopping before the path's probability (the product of the tokens' confidences) falls below `min_prob`."""
+        node, match_len = self.match(context)
+        tokens, probs, reach = [], [], 1.0
+        # a path is at most depth deep: the continuation of a match of n tokens has depth - n levels
+        while node is not None and node.children and len(tokens) < min(max_tokens, self.depth - match_len):
+            total = sum(c.count for c in node.children.values())
+            token, child = max(node.children.items(), key=lambda item: (item[1].count, -item[0]))
+            p = child.count / total
+            if reach * p < min_prob:
+                break
+            reach *= p
+            tokens.append(token)
+            probs.append(p)
+            node = child
+        return SuffixProposal(tuple(tokens), tuple(probs), match_len if tokens else 0)
+
+    def propose_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, min_prob: float) -> SuffixTree:
+        """The most probable continuations as a tree: nodes added best-first by path probability (at least
+        `min_prob`), at most `max_nodes` nodes and `max_depth` deep."""
+        node, match_len = self.match(context)
+        if node is None:
+            return SuffixTree()
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        heap: list[tuple[float, int, int, int, int, _Node]] = []  # (-path prob, order, parent id, depth, token, node)
+        order = 0
+
+        def push_children(parent_node: _Node, parent_id: int, parent_reach: float, depth: int) -> None:
+            nonlocal order
+            if depth > max_depth or match_len + depth > self.depth:
+                return
+            total = sum(c.count for c in parent_node.children.values())
+            for token, child in parent_node.children.items():
+                reach = parent_reach * child.count / total
+                if reach >= min_prob:
+                    heapq.heappush(heap, (-reach, order, parent_id, depth, token, child))
+                    order += 1
+
+        push_children(node, 0, 1.0, 1)
+        while heap and len(tokens) < max_nodes:
+            neg_reach, _, parent_id, depth, token, child = heapq.heappop(heap)
+            tokens.append(token)
+            parents.append(parent_id)
+            depths.append(depth)
+            push_children(child, len(tokens), -neg_reach, depth + 1)
+        return SuffixTree(tuple(tokens), tuple(parents), tuple(depths))
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixConfig:
+    """scope:         'global' (one trie over every request's outputs), 'tenant' (one per tenant key) or 'off'
+                   (no outputs shared between requests: each request sees its prompt and its own output only).
+    depth:         longest substring held (match + continuation), in tokens.
+    max_requests:  finished requests whose outputs a scope's trie keeps (oldest evicted first).
+    max_tokens:    output tokens of finished requests a scope's trie keeps at most (oldest evicted first).
+    min_prob:      a proposal stops before its path probability falls below this.
+    """
+
+    scope: str = "global"
+    depth: int = 24
+    max_requests: int = 256
+    max_tokens: int = 65536
+    min_prob: float = 0.1
+
+    def __post_init__(self):
+        if self.scope not in SCOPES:
+            raise ValueError(f"suffix scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+        if self.depth < 2:
+            raise ValueError(f"suffix depth must be >= 2, got {self.depth}")
+        if self.max_requests < 0 or self.max_tokens < 0:
+            raise ValueError("suffix max_requests and max_tokens must be >= 0")
+        if not 0.0 <= self.min_prob <= 1.0:
+            raise ValueError(f"suffix min_prob must be in [0, 1], got {self.min_prob}")
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    scope_key: Hashable
+    context: list[int]  # prompt + committed output
+    prompt: SuffixTrie
+
+
+class SuffixIndex:
+    """The tries suffix decoding proposes from, fed by the scheduler (`start`, `extend`, `finish`)."""
+
+    def __init__(self, config: SuffixConfig = SuffixConfig()):
+        self.config = config
+        self._outputs: dict[Hashable, SuffixTrie] = {}  # scope key -> trie of outputs
+        self._finished: dict[Hashable, collections.OrderedDict[Hashable, int]] = {}  # scope -> request -> tokens
+        self._live: dict[Hashable, _Live] = {}
+
+    def _scope_key(self, request_id: Hashable, tenant: Hashable | None) -> Hashable:
+        if self.config.scope == "global":
+            return "global"
+        if self.config.scope == "tenant":
+            return ("tenant", tenant)
+        return ("request", request_id)  # off: a request's own output only
+
+    def start(self, request_id: Hashable, prompt: Sequence[int], tenant: Hashable | None = None) -> None:
+        """A request is admitted: its prompt gets its own trie."""
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already in the suffix index")
+        prompt_trie = SuffixTrie(self.config.depth)
+        prompt_trie.extend(request_id, prompt)
+        self._live[request_id] = _Live(self._scope_key(request_id, tenant), [int(t) for t in prompt], prompt_trie)
+
+    def extend(self, request_id: Hashable, tokens: Sequence[int]) -> None:
+        """Committed output tokens of a live request (they enter its scope's output trie at once)."""
+        live = self._live[request_id]
+        live.context.extend(int(t) for t in tokens)
+        trie = self._outputs.get(live.scope_key)
+        if trie is None:
+            trie = self._outputs[live.scope_key] = SuffixTrie(self.config.depth)
+        trie.extend(request_id, tokens)
+
+    def finish(self, request_id: Hashable, keep: bool) -> None:
+        """A request ended: its prompt trie goes; its output stays for later requests (keep=True, then the oldest
+        beyond the bounds are evicted) or is taken back out (a cancelled or failed request). Unknown ids: no-op."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        trie = self._outputs.get(live.scope_key)
+        if trie is None or request_id not in trie:
+            return
+        if not keep or self.config.scope == "off":
+            self._drop(live.scope_key, request_id)
+            return
+        finished = self._finished.setdefault(live.scope_key, collections.OrderedDict())
+        finished[request_id] = len(trie.sequence(request_id))
+        self._evict(live.scope_key)
+
+    def _drop(self, scope_key: Hashable, request_id: Hashable) -> None:
+        trie = self._outputs[scope_key]
+        trie.remove(request_id)
+        if trie.nodes == 1:
+            del self._outputs[scope_key]
+
+    def _evict(self, scope_key: Hashable) -> None:
+        finished = self._finished[scope_key]
+        while finished and (len(finished) > self.config.max_requests
+                            or sum(finished.values()) > self.config.max_tokens):
+            oldest, _ = finished.popitem(last=False)
+            self._drop(scope_key, oldest)
+        if not finished:
+            del self._finished[scope_key]
+
+    def clear(self) -> None:
+        """Forget every request and output (e.g. between benchmark runs that must start alike)."""
+        self._outputs.clear()
+        self._finished.clear()
+        self._live.clear()
+
+    def retained(self, scope_key: Hashable = "global") -> tuple[Hashable, ...]:
+        """The finished requests whose outputs a scope keeps, oldest first."""
+        return tuple(self._finished.get(scope_key, {}))
+
+    def output_trie(self, scope_key: Hashable = "global") -> SuffixTrie | None:
+        return self._outputs.get(scope_key)
+
+    @property
+    def nodes(self) -> int:
+        """Trie nodes held, over every scope and live prompt."""
+        return sum(t.nodes for t in self._outputs.values()) + sum(v.prompt.nodes for v in self._live.values())
+
+    def context(self, request_id: Hashable) -> tuple[int, ...]:
+        return tuple(self._live[request_id].context)
+
+    def propose(self, request_id: Hashable, max_tokens: int) -> SuffixProposal:
+        """The better (more expected accepted tokens) of the prompt trie's and the output trie's chains."""
+        live = self._live[request_id]
+        if max_tokens <= 0:
+            return SuffixProposal()
+        best = live.prompt.propose(live.context, max_tokens, self.config.min_prob)
+        trie = self._outputs.get(live.scope_key)
+        if trie is not None:
+            other = trie.propose(live.context, max_tokens, self.config.min_prob)
+            if other.expected_accepted > best.expected_accepted:
+                best = other
+        return best
+
+    def propose_tree(self, request_id: Hashable, max_nodes: int, max_depth: int) -> SuffixTree:
+        """The tree of whichever trie's chain `propose` prefers (the output trie's, else the prompt's)."""
+        live = self._live[request_id]
+        chain_prompt = live.prompt.propose(live.context, max_depth, self.config.min_prob)
+        trie = self._outputs.get(live.scope_key)
+        if trie is not None:
+            chain_out = trie.propose(live.context, max_depth, self.config.min_prob)
+            if chain_out.expected_accepted > chain_prompt.expected_accepted:
+                return trie.propose_tree(live.context, max_nodes, max_depth, self.config.min_prob)
+        return live.prompt.propose_tree(live.context, max_nodes, max_depth, self.config.min_prob)

@@ -1,0 +1,158 @@
+"""Suffix decoding through the engine and the scheduler: lossless at temperature 0 (token for token plain
+decoding, chains and trees, several batches, no compiles after warm-up), and the scheduler keeps the suffix index
+in step with the requests it runs (finished outputs kept, cancelled ones taken out)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxspec.engine import compile_counter
+from jaxspec.engine.engine import Engine
+from jaxspec.menu import Menu, TreeEnvelope
+from jaxspec.models.config import TINY
+from jaxspec.policy.fixed import FixedPolicy
+from jaxspec.scheduling.requests import FinishReason, Request
+from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
+from jaxspec.speculation.proposers.suffix import SuffixProposer
+from jaxspec.speculation.suffix_tree import SuffixConfig, SuffixIndex
+from jaxspec.types import SamplingParams
+from tests.conftest import random_prompts, reference_greedy
+
+MENU = Menu(num_slots=4, max_len=128, batch_buckets=(1, 4), k_menu=(0, 2, 4, 6), window_buckets=(128,),
+            prefill_buckets=(32,), tree_envelopes=(TreeEnvelope(6, 3),))
+N_NEW = 20
+PROMPT_LENGTHS = (5, 17, 9, 12)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    compile_counter.install()
+    engine = Engine(tiny_model, SuffixProposer(SuffixIndex(SuffixConfig(depth=16, min_prob=0.0))), MENU)
+    engine.warmup(progress=False)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    prompts = random_prompts(PROMPT_LENGTHS, TINY.vocab_size, seed=3)
+    return prompts, [reference_greedy(tiny_model, p, N_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])  # 6 runs the tree envelope 6:3
+@pytest.mark.parametrize("running", [1, 4])
+def test_greedy_equals_plain_decoding(engine, references, k, running):
+    prompts, expected = references
+    compiles = compile_counter.count()
+    sched = Scheduler(engine, FixedPolicy(k), config=SchedulerConfig(max_running=running))
+    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    accepted = proposed = 0
+    for round_ in range(2):  # the second round repeats the first: its outputs are in the global trie
+        reqs = [Request(f"k{k}-r{running}-{round_}-{i}", p, params) for i, p in enumerate(prompts)]
+        for result, want in zip(sched.generate_all(reqs), expected, strict=True):
+            assert list(result.token_ids) == want, result.request_id
+            if round_:
+                accepted += sum(s.accepted for s in result.steps)
+                proposed += sum(s.proposed for s in result.steps)
+    assert compile_counter.count() == compiles  # host proposals are traced inputs: no new shapes
+    assert proposed > 0 and accepted / proposed > 0.5  # repeats are proposed from earlier outputs, mostly accepted
+
+
+def test_wrong_proposals_change_nothing(engine, references):
+    """Outputs of other prompts (mostly wrong continuations here) feed the trie: the output is unchanged."""
+    prompts, expected = references
+    sched = Scheduler(engine, FixedPolicy(4), config=SchedulerConfig(max_running=4))
+    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    # same prompt tails, other heads: matches lead into other requests' continuations
+    mixed = [prompts[(i + 1) % 4][:3] + p[3:] for i, p in enumerate(prompts)]
+    sched.generate_all([Request(f"m{i}", p, params) for i, p in enumerate(mixed)])
+    results = sched.generate_all([Request(f"w{i}", p, params) for i, p in enumerate(prompts)])
+    assert [list(r.token_ids) for r in results] == expected
+
+
+def test_the_scheduler_feeds_and_cleans_the_index(tiny_model, references):
+    prompts, _ = references
+    index = SuffixIndex(SuffixConfig(depth=8, max_requests=2))
+    engine = Engine(tiny_model, SuffixProposer(index), MENU.replace(tree_envelopes=(), k_menu=(0, 2)))
+    engine.warmup(progress=False)
+    sched = Scheduler(engine, FixedPolicy(2))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    done = [sched.generate_all([Request(f"d{i}", p, params)])[0] for i, p in enumerate(prompts[:3])]  # in turn
+    assert index.retained() == ("d1", "d2")  # two kept, the oldest evicted
+    trie = index.output_trie()
+    assert trie.sequence("d2") == tuple(done[2].token_ids)  # the committed output, first token included
+    before = trie.nodes
+    handle = sched.submit(Request("c", prompts[3], SamplingParams(max_tokens=60, ignore_eos=True)))
+    for _ in range(4):
+        sched.step_once()
+    assert "c" in trie
+    handle.cancel()
+    while not handle.done():
+        sched.step_once()
+    assert handle.result().finish_reason == FinishReason.CANCELLED
+    assert "c" not in trie and trie.nodes == before and index.nodes == before
+
+
+def test_step_without_host_proposals_is_refused(engine):
+    engine.prefill(0, [3, 4, 5], SamplingParams())
+    with pytest.raises(ValueError, match="host_proposals"):
+        engine.step([0], 2)
+    engine.free(0)
+
+
+def test_host_proposals_of_the_wrong_width_are_refused(engine):
+    from jaxspec.types import HostProposals
+    engine.prefill(0, [3, 4, 5], SamplingParams())
+    short = HostProposals(token_ids=np.zeros((1, 1), np.int32), lens=np.ones((1,), np.int32),
+                          parents=np.zeros((1, 1), np.int32), depth=np.zeros((1, 1), np.int32))
+    with pytest.raises(ValueError, match="host proposals"):
+        engine.step([0], 2, host_proposals=lambda k, tree: short)
+    engine.free(0)
+
+
+def test_engine_args_build_the_suffix_proposer(tiny_model):
+    from jaxspec.engine.args import EngineArgs
+    from jaxspec.engine.build import build_proposer
+
+    args = EngineArgs(proposer="suffix", suffix_scope="tenant", suffix_requests=7, tree="4:2")
+    proposer = build_proposer("suffix", tiny_model, suffix=args.suffix_config())
+    assert isinstance(proposer, SuffixProposer) and proposer.index.config.scope == "tenant"
+    assert proposer.index.config.max_requests == 7
+    with pytest.raises(ValueError, match="scope"):
+        EngineArgs(proposer="suffix", suffix_scope="world")
+
+
+def test_sampling_keeps_the_target_distribution(engine, tiny_model):
+    """At temperature 1 (top-k 4) with suffix proposals (an earlier output of the same prompt, often rejected),
+    the second token given the first follows the target: one Pearson test (tests/test_sampling_distribution.py's
+    judge) over the groups of the first token, at α = 1e-3."""
+    import jax
+    from scipy.stats import chi2
+
+    from tests.conftest import _jitted_forward
+    from tests.test_sampling_distribution import _pearson
+
+    prompt = [5, 9, 13, 9, 5, 2]
+    index = engine.suffix_index
+    index.clear()
+    sched = Scheduler(engine, FixedPolicy(4), config=SchedulerConfig(max_running=4))
+    sched.generate_all([Request("seed-output", prompt, SamplingParams(max_tokens=8, ignore_eos=True))])  # greedy
+    n = 800
+    params = [SamplingParams(temperature=1.0, top_k=4, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    results = sched.generate_all([Request(f"t{s}", prompt, p) for s, p in enumerate(params)])
+    index.clear()
+    pairs = np.array([r.token_ids[:2] for r in results])  # [n, 2]
+    assert sum(s.proposed for r in results for s in r.steps) > n / 2  # the step verified suffix proposals
+    forward = _jitted_forward(tiny_model)
+    v = TINY.vocab_size
+    observed, probs = np.zeros((v, v)), np.zeros((v, v))
+    for first in np.unique(pairs[:, 0]):
+        padded = np.zeros((1, 128), np.int32)
+        padded[0, :len(prompt) + 1] = prompt + [int(first)]
+        logits = np.asarray(forward(padded)[0, len(prompt)])  # [V] after (prompt, x0)
+        top = np.argsort(logits)[-4:]  # top-k 4, then temperature 1
+        probs[first, top] = np.asarray(jax.nn.softmax(logits[top]))
+        observed[first] = np.bincount(pairs[pairs[:, 0] == first, 1], minlength=v)
+    stat, df, impossible = _pearson(observed, probs)
+    assert df > 0 and impossible == 0
+    assert chi2.sf(stat, df) > 1e-3

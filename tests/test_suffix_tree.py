@@ -1,0 +1,163 @@
+"""The suffix tries and index of suffix decoding (jaxspec.speculation.suffix_tree): counts, proposals, the memory
+bound, eviction, scopes, and that removal (a cancelled request) leaves exactly the trie of what remains."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxspec.speculation.suffix_tree import SuffixConfig, SuffixIndex, SuffixTrie
+
+
+def _shape(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
+    """Every path of the trie with its count."""
+    out, stack = {}, [((), trie.root)]
+    while stack:
+        path, node = stack.pop()
+        for token, child in node.children.items():
+            out[path + (token,)] = child.count
+            stack.append((path + (token,), child))
+    return out
+
+
+def _substring_counts(seqs, depth) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    for seq in seqs:
+        for i in range(len(seq)):
+            for j in range(i + 1, min(len(seq), i + depth) + 1):
+                counts[tuple(seq[i:j])] = counts.get(tuple(seq[i:j]), 0) + 1
+    return counts
+
+
+def test_trie_counts_every_substring_up_to_depth_incrementally():
+    rng = np.random.default_rng(0)
+    seqs = [list(rng.integers(0, 4, size=n)) for n in (30, 7, 18)]
+    trie = SuffixTrie(depth=5)
+    for i, seq in enumerate(seqs):  # fed in pieces, as committed tokens arrive
+        for a in range(0, len(seq), 4):
+            trie.extend(i, seq[a:a + 4])
+    assert _shape(trie) == _substring_counts(seqs, 5)
+    assert trie.nodes == len(_substring_counts(seqs, 5)) + 1
+
+
+def test_removal_leaves_the_trie_of_the_remaining_sequences():
+    rng = np.random.default_rng(1)
+    seqs = {i: list(rng.integers(0, 3, size=25)) for i in range(4)}
+    trie = SuffixTrie(depth=6)
+    for i, seq in seqs.items():
+        trie.extend(i, seq)
+    trie.remove(2)
+    trie.remove(0)
+    rest = [seqs[1], seqs[3]]
+    assert _shape(trie) == _substring_counts(rest, 6)
+    assert trie.nodes == len(_substring_counts(rest, 6)) + 1
+
+
+def test_proposal_is_the_most_frequent_continuation_with_its_frequencies():
+    trie = SuffixTrie(depth=8)
+    trie.extend("a", [1, 2, 3, 4, 5])
+    trie.extend("b", [1, 2, 3, 4, 6])
+    trie.extend("c", [1, 2, 3, 7, 8])
+    p = trie.propose([9, 1, 2], max_tokens=5, min_prob=0.0)
+    # after "1 2": 3 always (3/3), then 4 (2/3) over 7, then 5 or 6 (1/2, the smaller id on a tie)
+    assert p.tokens == (3, 4, 5) and p.match_len == 2
+    assert p.probs == pytest.approx((1.0, 2 / 3, 0.5))
+    assert p.expected_accepted == pytest.approx(1 + 2 / 3 + 1 / 3)
+
+
+def test_proposal_is_sized_by_confidence():
+    trie = SuffixTrie(depth=8)
+    trie.extend("a", [1, 2, 3, 4, 5])
+    trie.extend("b", [1, 2, 3, 4, 6])
+    trie.extend("c", [1, 2, 3, 7, 8])
+    assert trie.propose([1, 2], 5, min_prob=0.5).tokens == (3, 4)  # 3 (1.0), 4 (0.67), 5 would be 0.33
+    assert trie.propose([1, 2], 5, min_prob=0.9).tokens == (3,)
+    assert trie.propose([1, 2], 1, min_prob=0.0).tokens == (3,)
+    assert trie.propose([42], 5, min_prob=0.0).tokens == ()  # no match
+
+
+def test_match_skips_its_own_unfinished_occurrence():
+    """The context's own tail is in the trie (a live output) without a continuation: the match is the longest
+    suffix that has one."""
+    trie = SuffixTrie(depth=8)
+    trie.extend("old", [5, 6, 7, 8])
+    trie.extend("me", [1, 2, 6, 7])
+    p = trie.propose([1, 2, 6, 7], 4, min_prob=0.0)
+    assert p.tokens == (8,) and p.match_len == 2
+
+
+def test_tree_is_best_first_with_distinct_siblings():
+    trie = SuffixTrie(depth=8)
+    for i, seq in enumerate(([1, 2, 3], [1, 2, 3], [1, 4, 5], [1, 2, 9])):
+        trie.extend(i, seq)
+    tree = trie.propose_tree([1], max_nodes=4, max_depth=2, min_prob=0.0)
+    # children of "1": 2 (3/4), 4 (1/4); under 2: 3 (2/3 -> 0.5), 9 (1/3 -> 0.25); depth 2 at most
+    assert tree.tokens[:2] == (2, 3) and tree.parents[:2] == (0, 1) and tree.depths[:2] == (1, 2)
+    assert sorted(zip(tree.tokens, tree.parents, tree.depths)) == [(2, 0, 1), (3, 1, 2), (4, 0, 1), (9, 1, 2)]
+    for n, parent in enumerate(tree.parents):
+        assert parent <= n
+
+
+def test_index_memory_bound_and_oldest_first_eviction():
+    config = SuffixConfig(depth=4, max_requests=3, max_tokens=25)
+    index = SuffixIndex(config)
+    rng = np.random.default_rng(2)
+    outputs = {}
+    for r in range(8):
+        index.start(r, [100 + r])
+        outputs[r] = list(rng.integers(0, 50, size=10))
+        index.extend(r, outputs[r])
+        index.finish(r, keep=True)
+        trie = index.output_trie()
+        assert trie.tokens <= config.max_tokens and len(index.retained()) <= config.max_requests
+        assert trie.nodes <= 1 + config.depth * config.max_tokens
+    assert index.retained() == (6, 7)  # 3 × 10 tokens exceed 25: two newest kept
+    assert _shape(index.output_trie()) == _substring_counts([outputs[6], outputs[7]], 4)
+    assert index.nodes == index.output_trie().nodes  # no live prompt left
+
+
+def test_cancelled_request_leaves_the_index_consistent():
+    index = SuffixIndex(SuffixConfig(depth=5))
+    index.start("done", [1, 2])
+    index.extend("done", [3, 4, 5, 3, 4])
+    index.finish("done", keep=True)
+    before = _shape(index.output_trie())
+    index.start("cancelled", [1])
+    index.extend("cancelled", [3, 4, 9])
+    index.extend("cancelled", [9, 9])
+    assert _shape(index.output_trie()) != before
+    index.finish("cancelled", keep=False)
+    assert _shape(index.output_trie()) == before
+    index.finish("cancelled", keep=False)  # a second finish is a no-op
+    with pytest.raises(KeyError):
+        index.propose("cancelled", 3)
+
+
+def test_scopes_share_outputs_only_where_configured():
+    def proposal(scope: str, tenant_b: str) -> tuple[int, ...]:
+        index = SuffixIndex(SuffixConfig(scope=scope, depth=6))
+        index.start("a", [7], tenant="t1")
+        index.extend("a", [1, 2, 3, 4])
+        index.finish("a", keep=True)
+        index.start("b", [9, 1, 2], tenant=tenant_b)
+        return index.propose("b", 4).tokens
+
+    assert proposal("global", "t2") == (3, 4)
+    assert proposal("tenant", "t1") == (3, 4)
+    assert proposal("tenant", "t2") == ()
+    assert proposal("off", "t1") == ()
+
+
+def test_prompt_trie_proposes_from_the_request_own_prompt():
+    index = SuffixIndex(SuffixConfig(scope="off", depth=6))
+    index.start("r", [5, 6, 7, 8, 1, 5, 6])
+    assert index.propose("r", 3).tokens == (7, 8, 1)
+    index.finish("r", keep=True)
+    assert index.nodes == 0
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="scope"):
+        SuffixConfig(scope="everyone")
+    with pytest.raises(ValueError, match="depth"):
+        SuffixConfig(depth=1)
