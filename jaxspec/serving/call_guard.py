@@ -9,7 +9,6 @@ pool, outside those caps; the oldest waiting health call makes room for a new on
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import heapq
 import itertools
@@ -83,6 +82,9 @@ class Alarms:
 
 CANCEL_SETTLE_S = 0.2  # after a request stream ends without a message, how long to wait for the call's end
 #                        (a client's cancel can end the stream a moment before it ends the call)
+# a connection past max_pending_per_peer waiting calls is refused once its oldest has waited this long (a
+# client that sends its messages has each answered in milliseconds; a half-open call ages)
+PEER_GRACE_S = 0.5
 
 
 class CallGuard(grpc.ServerInterceptor):
@@ -94,8 +96,11 @@ class CallGuard(grpc.ServerInterceptor):
     CANCELLED), refuses a message over `max_bytes` or one that does not deserialise
     (INVALID_ARGUMENT), refuses a second message to a unary method (INVALID_ARGUMENT), and only
     then calls the method's own behaviour. Calls other than health that wait for a message are
-    capped: `max_pending` in all, `max_pending_per_peer` per connection (more: RESOURCE_EXHAUSTED at
-    once, with a retry pushback). Health calls run on `health_pool`, outside those caps; at most
+    capped: `max_pending` in all; per connection, at most half of those, and past `max_pending_per_peer`
+    only while the connection's oldest waiting call is younger than PEER_GRACE_S (a client that sends its
+    messages, however many calls it opens at once, is not refused; one that leaves calls half-open holds
+    `max_pending_per_peer` places once they age). More: RESOURCE_EXHAUSTED at once, with a retry pushback.
+    Health calls run on `health_pool`, outside those caps; at most
     `max_health_waiting` of them wait for a message at once, and a new one cancels the oldest
     waiting one, so the pool always has threads free to answer. Runs after the auth interceptor,
     which refuses calls without the token before any of this.
@@ -112,7 +117,7 @@ class CallGuard(grpc.ServerInterceptor):
         self._metrics = metrics
         self._lock = threading.Lock()
         self._pending = 0
-        self._pending_by_peer: collections.Counter[str] = collections.Counter()
+        self._waiting_by_peer: dict[str, dict[int, float]] = {}  # peer -> call key -> when it started waiting
         self._health_waiting: dict[int, grpc.ServicerContext] = {}  # insertion order = oldest first
         self._ids = itertools.count()
         self._alarms = Alarms()
@@ -209,17 +214,25 @@ class CallGuard(grpc.ServerInterceptor):
                     self._health_waiting.pop(key, None)
             return
         peer = context.peer()
+        key = next(self._ids)
         with self._lock:
             refusal = None
+            waiting = self._waiting_by_peer.setdefault(peer, {})  # insertion order = oldest first
+            now = time.monotonic()
             if self._pending >= self._max_pending:
                 refusal = f"{self._max_pending} calls are already waiting for their request message " \
                           f"(max_pending_calls); retry later"
-            elif self._pending_by_peer[peer] >= self._max_per_peer:
-                refusal = f"{self._max_per_peer} calls of this connection are already waiting for their request " \
-                          f"message (max_pending_calls_per_peer, per connection); retry later"
+            elif len(waiting) >= max(self._max_per_peer, self._max_pending // 2):
+                refusal = f"{len(waiting)} calls of this connection are already waiting for their request " \
+                          f"message (half of max_pending_calls, per connection); retry later"
+            elif len(waiting) >= self._max_per_peer and now - next(iter(waiting.values())) > PEER_GRACE_S:
+                refusal = f"{len(waiting)} calls of this connection are waiting for their request message, the " \
+                          f"oldest for over {PEER_GRACE_S} s (max_pending_calls_per_peer); retry later"
             else:
                 self._pending += 1
-                self._pending_by_peer[peer] += 1
+                waiting[key] = now
+            if not waiting:
+                del self._waiting_by_peer[peer]
         if refusal is not None:
             self._metrics.record_rpc(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
             abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, retry_later=True)
@@ -228,9 +241,10 @@ class CallGuard(grpc.ServerInterceptor):
         finally:
             with self._lock:
                 self._pending -= 1
-                self._pending_by_peer[peer] -= 1
-                if not self._pending_by_peer[peer]:
-                    del self._pending_by_peer[peer]
+                waiting = self._waiting_by_peer[peer]
+                del waiting[key]
+                if not waiting:
+                    del self._waiting_by_peer[peer]
 
     def _expire(self, context: grpc.ServicerContext, method: str) -> None:
         if context.is_active():

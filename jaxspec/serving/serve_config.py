@@ -45,7 +45,8 @@ class ServeConfig:
         call is cancelled (half-open calls must not hold threads)
     max_pending_calls:  calls (health checks excluded) waiting for their request message at once;
         more get RESOURCE_EXHAUSTED at once
-    max_pending_calls_per_peer:  the same, per client connection (so one connection cannot take every place)
+    max_pending_calls_per_peer:  the same, per client connection, once its oldest waiting call has waited 0.5 s
+        (a connection never holds more than half of max_pending_calls)
     drain_timeout_s:    how long SIGTERM waits for in-flight requests
     tls_cert, tls_key:  PEM files (both or neither); auth_token: required bearer token (None: no auth)
     """

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import grpc
 import pytest
 
+from jaxspec.serving.call_guard import PEER_GRACE_S
 from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
 from jaxspec.serving.serve_config import ServeConfig
 from jaxspec.serving.service import SERVICE_NAME, GenerationServer
@@ -31,8 +33,13 @@ class HalfOpen:
     def __init__(self, server, method: str, n: int):
         self.channel = grpc.insecure_channel(f"{HOST}:{server.port}", options=OWN_CONNECTION)
         self.release = threading.Event()
-        open_call = self.channel.stream_stream(method)
-        self.calls = [open_call(self._no_message(), timeout=60) for _ in range(n)]
+        self._open_call = self.channel.stream_stream(method)
+        self.calls = []
+        self.open(n)
+
+    def open(self, n: int) -> None:
+        """`n` more such calls on the same connection."""
+        self.calls += [self._open_call(self._no_message(), timeout=60) for _ in range(n)]
 
     def _no_message(self):
         self.release.wait()
@@ -92,16 +99,35 @@ def test_health_answers_under_more_half_open_health_calls_than_it_has_threads(se
 
 
 def test_one_connection_cannot_take_every_pending_place(server):
+    """A burst of half-open calls from one connection gets at most half of the pending places (the other
+    half stays for other connections); once its calls have waited PEER_GRACE_S, it gets PER_PEER."""
+    per_connection = max(PER_PEER, PENDING // 2)
     held = HalfOpen(server, GENERATE, PENDING)
     try:
-        wait_until(lambda: server.pending_calls == PER_PEER, what="the connection's pending places to fill")
+        wait_until(lambda: server.pending_calls == per_connection, what="the connection's pending places to fill")
         assert _generated(server) == 3  # another connection still has places
         held.cancel()
         codes = [call.code() for call in held.calls]
         refused = [c for c in held.calls if c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
-        assert len(refused) == PENDING - PER_PEER, codes
+        assert len(refused) == PENDING - per_connection, codes
         assert "per connection" in refused[0].details()
     finally:
+        held.close()
+    wait_until(lambda: server.pending_calls == 0, what="no pending calls")
+
+
+def test_a_connection_whose_calls_stay_half_open_keeps_only_its_share(server):
+    held = HalfOpen(server, GENERATE, PER_PEER)
+    try:
+        wait_until(lambda: server.pending_calls == PER_PEER, what="the connection's calls to wait")
+        time.sleep(PEER_GRACE_S + 0.1)  # the calls age past the grace (a duration, not a stand-in for a condition)
+        held.open(1)
+        extra = held.calls[-1]
+        wait_until(lambda: extra.done(), what="the extra call to be answered")
+        assert extra.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_pending_calls_per_peer" in extra.details()
+        assert server.pending_calls == PER_PEER
+    finally:
+        held.cancel()
         held.close()
     wait_until(lambda: server.pending_calls == 0, what="no pending calls")
 
@@ -194,7 +220,7 @@ def _pushback(error: grpc.RpcError) -> str | None:
 
 
 def test_busy_refusals_carry_a_pushback_and_the_transport_size_refusal_does_not(server):
-    held = HalfOpen(server, GENERATE, PER_PEER + 1)
+    held = HalfOpen(server, GENERATE, max(PER_PEER, PENDING // 2) + 1)  # one more than a connection may hold
     try:
         busy = next(c for c in held.calls if c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
         assert _pushback(busy) is not None and int(_pushback(busy)) > 0
