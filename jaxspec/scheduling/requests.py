@@ -172,6 +172,20 @@ class RequestHandle:
         self._events: queue.Queue[RequestOutput] = queue.Queue()
         self._done = threading.Event()
         self._result: RequestResult | None = None
+        self._listener: Callable[[RequestOutput], None] | None = None
+        self._listener_lock = threading.Lock()
+
+    def listen(self, listener: Callable[[RequestOutput], None]) -> None:
+        """Have the owner's thread call `listener(event)` for every event from now on, instead of queueing
+        it (events queued before are passed at once, in order); `get` and iteration then see nothing. The
+        listener must be quick and must not raise: e.g. `loop.call_soon_threadsafe` into an event loop, so
+        events reach it without a thread of their own."""
+        with self._listener_lock:
+            if self._listener is not None:
+                raise RuntimeError(f"request {self.request_id!r} already has a listener")
+            while not self._events.empty():
+                listener(self._events.get_nowait())
+            self._listener = listener
 
     def __iter__(self) -> Iterator[RequestOutput]:
         """Blocking iteration over events until the final one (inclusive)."""
@@ -204,7 +218,11 @@ class RequestHandle:
         if event.finished:
             self._result = event.result
         if stream or event.finished:
-            self._events.put(event)
+            with self._listener_lock:
+                if self._listener is None:
+                    self._events.put(event)
+                else:
+                    self._listener(event)
         if event.finished:
             self._done.set()
 

@@ -8,8 +8,9 @@ app served by uvicorn in its own thread, streams as server-sent events (sse-star
     POST /v1/completions       `prompt` (one string)
     GET  /health               200 once warm-up is over and until draining starts, else 503
 
-Each of a request's `n` choices is one scheduler request; a relay thread per choice carries its events
-(one per engine step) into the event loop. Every error has OpenAI's shape
+Each of a request's `n` choices is one scheduler request; the scheduler's thread hands its events (one per
+engine step) straight to the event loop (`RequestHandle.listen` + `call_soon_threadsafe`: no relay thread).
+Every error has OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: 400 bad input (the field named), 401 a missing or wrong
 bearer token (/health exempt), 404 an unknown model or path, 408 a body that does not arrive within
 request_timeout_s, 413 a body over max_message_bytes, 429 a full queue, 503 warming up or draining.
@@ -24,13 +25,11 @@ import hmac
 import json
 import logging
 import math
-import queue
 import secrets
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent import futures
 from typing import Any
 
 import uvicorn
@@ -58,9 +57,8 @@ from jaxspec.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.25  # how often a relay thread checks that its stream is still wanted
 MAX_N = 16  # the most choices one request may ask for (each takes a scheduler request)
-EXTRA_RELAYS = 16  # relay threads beyond queue + slots
+EXTRA_CONNECTIONS = 16  # connections beyond queue + slots + pending calls (health checks, refusals)
 SHUTDOWN_GRACE_S = 5.0  # uvicorn's wait for open connections once the API has stopped
 FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -247,7 +245,8 @@ def speculation_stats(result: RequestResult) -> dict:
 
 
 class OpenAIServer:
-    """The OpenAI-compatible API over a GenerationServer's scheduler, on `port` (0: any free port).
+    """The OpenAI-compatible API over a GenerationServer's scheduler, on `port` (here 0 binds any free port;
+    `jaxspec serve` turns HTTP off with 0 and never passes it).
 
     `start()` binds and serves (/health answers 503); `mark_ready()` once the GenerationServer is warm;
     `begin_shutdown()` refuses new completions (503); `shutdown()` waits for open calls, then stops.
@@ -262,7 +261,6 @@ class OpenAIServer:
         self._lock = threading.Condition()
         self._active = 0
         self.dropped = 0  # calls whose requests the server cancelled (a second SIGTERM, drain timeout)
-        self._relays: futures.ThreadPoolExecutor | None = None
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.app = Starlette(routes=[
@@ -293,12 +291,10 @@ class OpenAIServer:
             raise OSError(f"cannot bind {cfg.host}:{self.requested_port} for HTTP: {exc.strerror or exc}") from None
         self.port = sock.getsockname()[1]
         capacity = cfg.max_running or self.server.engine.menu.largest_batch
-        self._relays = futures.ThreadPoolExecutor(max_workers=cfg.max_queue + capacity + EXTRA_RELAYS,
-                                                  thread_name_prefix="jaxspec-http-relay")
         config = uvicorn.Config(
             self.app, log_level="warning", lifespan="off", access_log=False, ssl_certfile=cfg.tls_cert,
             ssl_keyfile=cfg.tls_key, timeout_keep_alive=int(max(1, cfg.request_timeout_s)),
-            limit_concurrency=cfg.max_queue + capacity + cfg.max_pending_calls + EXTRA_RELAYS,
+            limit_concurrency=cfg.max_queue + capacity + cfg.max_pending_calls + EXTRA_CONNECTIONS,
             timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S))
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]},
@@ -333,8 +329,6 @@ class OpenAIServer:
             self._uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(SHUTDOWN_GRACE_S + 5)
-        if self._relays is not None:
-            self._relays.shutdown(wait=False, cancel_futures=True)
         return dropped == 0
 
     # --- plumbing ---------------------------------------------------------------------------
@@ -459,22 +453,15 @@ class OpenAIServer:
         disconnect, an error) cancels what is still running."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        wanted = threading.Event()
-        wanted.set()
 
-        def relay(index: int, handle: RequestHandle) -> None:
-            while wanted.is_set():
-                try:
-                    event = handle.get(timeout=POLL_S)
-                except queue.Empty:
-                    continue
+        def forward(index: int) -> Callable[[RequestOutput], None]:
+            def put(event: RequestOutput) -> None:  # on the scheduler's thread: hand over, return at once
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads any more
                     loop.call_soon_threadsafe(events.put_nowait, (index, event))
-                if event.finished:
-                    return
+            return put
 
         for i, handle in enumerate(handles):
-            self._relays.submit(relay, i, handle)
+            handle.listen(forward(i))
         try:
             open_choices = len(handles)
             while open_choices:
@@ -485,7 +472,6 @@ class OpenAIServer:
                     self.server.metrics.record_result(event.result)
                 yield index, event
         finally:
-            wanted.clear()
             for handle in handles:
                 if not handle.done():
                     handle.cancel()

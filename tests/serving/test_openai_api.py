@@ -22,7 +22,7 @@ import pytest
 
 from benchmarks import load_test
 from jaxspec.serving.client import GenerationClient
-from tests.serving.conftest import HOST, wait_until
+from tests.serving.conftest import HOST, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret"
@@ -37,7 +37,8 @@ class Served:
     def __init__(self, *flags: str, announce: str, timeout: float = 180, delay: float = STEP_DELAY):
         env = dict(os.environ, JAXSPEC_TEST_STEP_DELAY=str(delay), PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.serving.serve_entry", *flags, "--host", HOST,
-                                      "--port", "0", "--http-port", "0", "--metrics-port", "0"],
+                                      "--port", str(free_port()), "--http-port", str(free_port()),
+                                      "--metrics-port", "0"],
                                      cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()

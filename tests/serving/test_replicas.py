@@ -17,11 +17,11 @@ import pytest
 from jaxspec.serving import client as client_cli
 from jaxspec.serving.client import GenerationClient, lists_several
 from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
-from tests.serving.conftest import HOST, wait_until
+from tests.serving.conftest import HOST, free_port, wait_until
 from tests.serving.test_sigterm import start_process
 
 FLAGS = ("--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--proposer", "none", "--policy", "none",
-         "--host", HOST, "--port", "0", "--metrics-port", "0")
+         "--host", HOST, "--metrics-port", "0")  # + "--port" with a free port each
 
 
 def metric(metrics_port: int, sample: str) -> float:
@@ -48,7 +48,7 @@ def generate(client: GenerationClient, i: int, max_tokens: int) -> list[pb.Gener
 
 
 def test_two_replicas_behind_one_target_and_a_drain():
-    procs = [start_process(*FLAGS) for _ in range(2)]
+    procs = [start_process(*FLAGS, "--port", str(free_port())) for _ in range(2)]
     try:
         for proc, lines in procs:
             wait_until(lambda: any("jaxspec serve: tiny on" in l for l in lines) or proc.poll() is not None,
