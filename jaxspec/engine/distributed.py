@@ -312,6 +312,7 @@ class LeaderEngine:
         self.dtype = engine.dtype
         self.mesh_spec = engine.mesh_spec
         self.kernels = engine.kernels
+        self.logprobs = engine.logprobs
         with self._lock:
             link.send("hello", fingerprint(engine))
 
@@ -362,6 +363,9 @@ class LeaderEngine:
 
     def length(self, slot: int) -> int:
         return self.engine.length(slot)
+
+    def first_token_logprobs(self, slot: int):
+        return self.engine.first_token_logprobs(slot)
 
     def room(self, slot: int) -> int:
         return self.engine.room(slot)
@@ -492,7 +496,8 @@ def _apply(engine: EngineAPI, call: str, args: dict[str, Any]) -> None:
 def fingerprint(engine: EngineAPI) -> dict[str, Any]:
     """What must be equal on every process for the same calls to run the same executables."""
     return {"model": engine.model_name, "proposer": engine.proposer_name, "dtype": engine.dtype,
-            "mesh": str(engine.mesh_spec), "vocab_size": int(engine.vocab_size), "menu": repr(engine.menu)}
+            "mesh": str(engine.mesh_spec), "vocab_size": int(engine.vocab_size), "menu": repr(engine.menu),
+            "logprobs": int(engine.logprobs)}
 
 
 def encode_key(key: ShapeKey) -> list:

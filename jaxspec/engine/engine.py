@@ -42,7 +42,15 @@ from jaxspec.models.kv_cache import init_cache
 from jaxspec.models.llama import Llama, serving_split
 from jaxspec.models.sharding import cache_spec, padded_slots, plan_layout, replicated_layout, serving_placement
 from jaxspec.speculation.proposers.base import NoProposer, Proposer
-from jaxspec.types import DecodeState, SamplingParams, SlotParams, StepResult
+from jaxspec.types import (
+    MAX_LOGPROBS,
+    DecodeState,
+    SamplingParams,
+    SlotParams,
+    StepResult,
+    TokenLogprobs,
+    token_logprobs,
+)
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -69,10 +77,18 @@ class CatchUpTotals:
 
 
 class Engine:
-    """Owns the device state and the compiled menu for one target (+ proposer); an `EngineAPI`."""
+    """Owns the device state and the compiled menu for one target (+ proposer); an `EngineAPI`.
+
+    logprobs: 0, or N in [1, MAX_LOGPROBS]: every step and last prefill chunk also return the emitted tokens'
+    log-probabilities under the target and their top N alternatives (StepResult.logprobs,
+    `first_token_logprobs`); static, so the default engine compiles the same executables as without it.
+    """
 
     def __init__(self, target: Llama, proposer: Proposer | None = None, menu: Menu = Menu(),
-                 mesh: MeshSpec = MeshSpec(), kernels: KernelChoice = "auto"):
+                 mesh: MeshSpec = MeshSpec(), kernels: KernelChoice = "auto", logprobs: int = 0):
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        self.logprobs = logprobs
         self.model_config = target.config
         self.proposer = proposer or NoProposer()
         if isinstance(self.proposer, NoProposer) and menu.k_menu != (0,):
@@ -116,7 +132,8 @@ class Engine:
         self.proposer_placement = serving_placement(self.mesh, replicated_layout(target.config, mesh.model),
                                                     self.proposer_kernels)
         self._proposer_params = self.proposer.params(self.proposer_placement)
-        self.bodies = StepBodies(self._graphdef, self.proposer, menu, self.kernels)
+        self.bodies = StepBodies(self._graphdef, self.proposer, menu, self.kernels, logprobs)
+        self._first_logprobs: dict[int, TokenLogprobs] = {}  # slot -> its first token's (logprobs > 0)
         self.executables = CompiledMenu(menu, self._lower)
         self.lengths = np.zeros(menu.num_slots, np.int64)  # host mirror of committed lengths
         self.proposer_lengths = np.zeros(menu.num_slots, np.int64)  # host mirror: what the proposer saw
@@ -181,7 +198,7 @@ class Engine:
         params, proposer_params = jax.tree.map(lambda x: x.sharding, (self._params, self._proposer_params))
         if isinstance(key, StepKey):
             fn = jax.jit(self.bodies.step(key.k, key.window), donate_argnums=(2,),
-                         in_shardings=(params, proposer_params, state, rep, rep), out_shardings=(state, rep))
+                         in_shardings=(params, proposer_params, state, rep, rep), out_shardings=self._outputs(state))
             return fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch))
         if isinstance(key, CatchUpKey):
             fn = jax.jit(self.bodies.catch_up(key.chunk, key.window), donate_argnums=(1,),
@@ -189,9 +206,13 @@ class Engine:
             return fn.lower(self._proposer_params, self.state, i32(1), i32(1), i32(1))
         if isinstance(key, PrefillKey):
             fn = jax.jit(self.bodies.prefill(key.chunk, key.window), donate_argnums=(2,),
-                         in_shardings=(params, proposer_params, state, rep), out_shardings=(state, rep))
+                         in_shardings=(params, proposer_params, state, rep), out_shardings=self._outputs(state))
             return fn.lower(self._params, self._proposer_params, self.state, PrefillInputs.spec(key.chunk))
         raise TypeError(f"not a shape key: {key!r}")
+
+    def _outputs(self, state) -> tuple:
+        """Output shardings of a step or prefill: (state, packed[, logprobs])."""
+        return (state, self._replicated, self._replicated) if self.logprobs else (state, self._replicated)
 
     def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True, workers: int | None = None) -> int:
         """Compile the menu ahead of time (`workers` threads: jaxspec.engine.executables) and run each new shape
@@ -206,7 +227,7 @@ class Engine:
         zero = np.zeros((1,), np.int32)
         if isinstance(key, StepKey):  # padding rows: the scratch slot, proposing nothing
             rows = np.full((key.batch,), self.scratch_slot, np.int32)
-            self.state, _ = fn(self._params, self._proposer_params, self.state, rows, np.zeros_like(rows))
+            self.state = fn(self._params, self._proposer_params, self.state, rows, np.zeros_like(rows))[0]
         elif isinstance(key, CatchUpKey):
             self.state = fn(self._proposer_params, self.state, scratch, zero, zero)
         else:  # PrefillKey: one token at position 0 of the scratch slot, not the prompt's last chunk
@@ -214,7 +235,7 @@ class Engine:
                                      n_valid=np.ones((1,), np.int32), is_last=np.bool_(False),
                                      temperature=np.zeros((1,), np.float32), top_p=np.ones((1,), np.float32),
                                      top_k=zero, seed=zero)
-            self.state, _ = fn(self._params, self._proposer_params, self.state, chunk_in)
+            self.state = fn(self._params, self._proposer_params, self.state, chunk_in)[0]
         jax.block_until_ready(self.state)
 
     def compiled_text(self, key: ShapeKey) -> str:
@@ -226,7 +247,7 @@ class Engine:
         else: no catch-up, no host mirrors. Returns the packed result [B, k+4] on the device, not copied (for
         benchmarks that time the executable alone: jaxspec.bench.floor, benchmarks/host_overhead.py)."""
         self.state, packed = self.executables.get(key)(self._params, self._proposer_params, self.state,
-                                                      np.asarray(slot_ids, np.int32), np.asarray(caps, np.int32))
+                                                      np.asarray(slot_ids, np.int32), np.asarray(caps, np.int32))[:2]
         return packed
 
     def set_length(self, slot: int, length: int) -> None:
@@ -253,7 +274,8 @@ class Engine:
             n_valid=np.array([n], np.int32), is_last=np.bool_(is_last),
             temperature=np.array([params.temperature], np.float32), top_p=np.array([params.top_p], np.float32),
             top_k=np.array([params.top_k], np.int32), seed=np.array([seed], np.int32))
-        self.state, first = self.executables.get(key)(self._params, self._proposer_params, self.state, chunk_in)
+        self.state, first, *logprobs = self.executables.get(key)(self._params, self._proposer_params, self.state,
+                                                                 chunk_in)
         self.lengths[slot] = start + n
         if start == 0:  # a new prompt: the draft has seen none of it (it catches up before speculating)
             self.proposer_lengths[slot] = 0
@@ -263,7 +285,18 @@ class Engine:
             # a 64-token prefill to a decode shape (docs/design.md, "The goodput policy").
             jax.block_until_ready(self.state)
             return None
-        return int(np.asarray(first)[0])
+        first = int(np.asarray(first)[0])
+        if logprobs:  # values [1, 1, 1+N], ids [1, 1, N]
+            values, ids = (np.asarray(a)[0, 0] for a in logprobs[0])
+            self._first_logprobs[slot] = token_logprobs(first, values[0], ids, values[1:], self.logprobs)
+        return first
+
+    def first_token_logprobs(self, slot: int) -> TokenLogprobs:
+        """The log-probabilities of the first token the slot's last prefill drew (engines with logprobs > 0)."""
+        if slot not in self._first_logprobs:
+            raise ValueError(f"no log-probabilities for slot {slot}: the engine's logprobs option is 0, or the slot "
+                             "has no finished prefill")
+        return self._first_logprobs[slot]
 
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams, seed: int | None = None) -> int:
         """Whole-prompt prefill (`engine_api.prefill_prompt`). Returns the first token.
@@ -296,10 +329,13 @@ class Engine:
                 self.catch_up_totals.add(catch_up_calls, catch_up_s)
         slots = np.full((b,), self.scratch_slot, np.int32)
         slots[:n] = slot_ids
-        self.state, packed = fn(self._params, self._proposer_params, self.state, slots, caps)
+        self.state, packed, *logprobs = fn(self._params, self._proposer_params, self.state, slots, caps)
         packed = np.asarray(packed)[:n]  # the one host copy of this step
         result = StepResult(tokens=packed[:, : k_run + 1], counts=packed[:, k_run + 1], proposed=packed[:, k_run + 2],
                             catch_up_calls=catch_up_calls, catch_up_s=catch_up_s)
+        if logprobs:  # values [B, k+1, 1+N], ids [B, k+1, N]
+            values, ids = (np.asarray(a)[:n] for a in logprobs[0])
+            result = dataclasses.replace(result, logprobs=values[:, :, 0], top_logprobs=values[:, :, 1:], top_ids=ids)
         if self.proposer.tracks_context:  # what the draft holds now, as its commit left it
             self.proposer_lengths[list(slot_ids)] = packed[:, k_run + 3]
         self.lengths[list(slot_ids)] += result.counts
@@ -342,9 +378,11 @@ class Engine:
         self.state = self._init_state()
         self.lengths[:] = 0
         self.proposer_lengths[:] = 0
+        self._first_logprobs.clear()
 
     def free(self, slot: int) -> None:
         """Forget a slot's contents (the next prefill overwrites it)."""
         self.lengths[slot] = 0
         self.proposer_lengths[slot] = 0
+        self._first_logprobs.pop(slot, None)
 

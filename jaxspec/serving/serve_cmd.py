@@ -22,7 +22,8 @@ from jaxspec.serving.service import GenerationServer, PolicyFactory
 log = logging.getLogger(__name__)
 
 # the EngineArgs fields ServeConfig has
-ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer", "dtype", "mesh", "tree", "kernels")
+ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer", "dtype", "mesh", "tree", "kernels",
+                "logprobs")
 
 
 def build_server(config: ServeConfig, progress: bool = True,

@@ -29,7 +29,8 @@ class ServeConfig:
         model's own), or a toy one for random-weight presets: 'ascii', 'bytes'; dtype: 'auto' (float32 on
         CPU, bfloat16 on GPU/TPU), 'float32', 'bfloat16'; mesh: 'data=D,model=M' (None: the menu's, else 1,1);
         tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only); kernels: 'auto' or
-        'xla' (None: $JAXSPEC_KERNELS, else auto)
+        'xla' (None: $JAXSPEC_KERNELS, else auto); logprobs: N > 0 lets requests ask for log-probabilities
+        (at most N top alternatives), 0 = off
     host:               the address gRPC and HTTP bind; off loopback, plain text (no tls_cert) needs allow_plaintext
     port:               gRPC (jaxspec.v1.Generation); 0 = off
     metrics_port:       None = no metrics endpoint; 0 = an ephemeral port
@@ -62,6 +63,7 @@ class ServeConfig:
     mesh: str | None = None
     tree: str | None = None
     kernels: str | None = None
+    logprobs: int = 0
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
@@ -120,7 +122,7 @@ class ServeConfig:
         """The engine this config names (ValueError for a bad proposer, tokenizer or policy)."""
         return EngineArgs(model=self.model, proposer=self.proposer, draft=self.draft, policy=self.policy,
                           menu=self.menu, tokenizer=self.tokenizer, dtype=self.dtype, mesh=self.mesh,
-                          tree=self.tree, kernels=self.kernels)
+                          tree=self.tree, kernels=self.kernels, logprobs=self.logprobs)
 
 
 def load_serve_config(path: str | Path | None = None, **overrides) -> ServeConfig:
