@@ -379,7 +379,11 @@ class Scheduler:
         if is_last:
             live.running = True
             live.first_token_at = self.clock()
-            self._deliver(live, [first], None if p.logprobs is None else [self.engine.first_token_logprobs(live.slot)])
+            if p.logprobs is None:
+                self._deliver(live, [first])
+            else:  # the engine's top alternatives, cut to the request's
+                entry = self.engine.first_token_logprobs(live.slot)
+                self._deliver(live, [first], [dataclasses.replace(entry, top=entry.top[:p.logprobs])])
 
     def _view(self, rows: list[_Live]) -> tuple[BatchView, list[int]]:
         """What the policy sees of `rows`, and each row's cache room (the largest k it can verify)."""
