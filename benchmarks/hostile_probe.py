@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import os
 import platform
+import socket
 import statistics
 import sys
 import threading
@@ -41,11 +42,18 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 
 
+def free_port() -> int:
+    """A port free on HOST now (port 0 would turn gRPC off)."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
 def start() -> GenerationServer:
     menu = Menu(num_slots=8, max_len=128, batch_buckets=(8,), k_menu=(0,), window_buckets=(128,),
                 prefill_buckets=(32,))
     engine = FakeEngine(menu, vocab_size=64, accept=0, proposer_name="fake")
-    return GenerationServer(engine, ascii_tokenizer(), None, ServeConfig(host=HOST, port=0),
+    return GenerationServer(engine, ascii_tokenizer(), None, ServeConfig(host=HOST, port=free_port()),
                             model_name="fake").start()
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxspec.models.kv_cache import KVCache
 
+MAX_LOGPROBS = 20  # the most top alternatives an engine returns per emitted token (OpenAI's top_logprobs limit)
 MAX_TEMPERATURE = 100.0  # the largest temperature a request may ask for: beyond it the distribution over the
 #                          tokens the top-k / top-p cut keeps is flat for any practical purpose, and logits
 #                          divided by a temperature near float32's range collapse to equal values (or overflow)
@@ -26,6 +27,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: no log-probabilities; N: each token's and its top N alternatives'
 
     def validate(self, max_tokens_limit: int | None = None) -> None:
         """Raise ValueError with a clear message if any value is out of range."""
@@ -44,6 +46,19 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be <= {max_tokens_limit}, got {self.max_tokens}")
         if self.seed is not None and not (0 <= self.seed < 2**31):
             raise ValueError(f"seed must be in [0, 2^31), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One emitted token under the target's raw distribution (log_softmax of its logits, no temperature or
+    top-k / top-p warping): its log-probability and the `top` alternatives, (token id, log-probability),
+    most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @jax.tree_util.register_dataclass
@@ -154,6 +169,8 @@ class StepResult:
     proposed: [B] how many proposals each row verified.
     catch_up_calls / catch_up_s: lazy draft catch-up run before this step (calls, wall seconds);
       part of the step's wall time, but not of the step executable a cost model times.
+    logprobs: [B, k+1] float32 log-probability of each of `tokens` under the target (engines with logprobs > 0,
+      else None); top_logprobs / top_ids: [B, k+1, N] its N most likely alternatives, most likely first.
     """
 
     tokens: np.ndarray
@@ -161,6 +178,9 @@ class StepResult:
     proposed: np.ndarray
     catch_up_calls: int = 0
     catch_up_s: float = 0.0
+    logprobs: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
 
     @property
     def accepted(self) -> np.ndarray:
@@ -168,3 +188,20 @@ class StepResult:
 
     def row_tokens(self, row: int) -> list[int]:
         return [int(t) for t in self.tokens[row, : self.counts[row]]]
+
+    def row_logprobs(self, row: int, n_top: int) -> list[TokenLogprobs]:
+        """The log-probabilities of `row_tokens(row)` with their top `n_top` alternatives (ValueError when the
+        engine returned none, or fewer alternatives)."""
+        if self.logprobs is None:
+            raise ValueError("this step returned no log-probabilities (the engine's logprobs option is 0)")
+        return [token_logprobs(int(self.tokens[row, j]), self.logprobs[row, j], self.top_ids[row, j],
+                               self.top_logprobs[row, j], n_top) for j in range(int(self.counts[row]))]
+
+
+def token_logprobs(token_id: int, logprob, top_ids: np.ndarray, top_logprobs: np.ndarray,
+                   n_top: int) -> TokenLogprobs:
+    """A TokenLogprobs from an engine's arrays: top_ids / top_logprobs [N] (n_top ≤ N of them are kept)."""
+    if n_top > len(top_ids):
+        raise ValueError(f"{n_top} top alternatives asked, the engine returns {len(top_ids)}")
+    return TokenLogprobs(token_id, float(logprob),
+                         tuple((int(i), float(v)) for i, v in zip(top_ids[:n_top], top_logprobs[:n_top])))

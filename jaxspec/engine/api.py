@@ -27,7 +27,7 @@ from jaxspec.engine.pending import PendingStep
 from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, MenuMissError, PrefillKey, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec
 from jaxspec.models.kernel_plan import KernelPlan
-from jaxspec.types import SamplingParams, StepResult
+from jaxspec.types import SamplingParams, StepResult, TokenLogprobs
 
 # --- the contract -----------------------------------------------------------------------
 
@@ -45,6 +45,8 @@ class EngineAPI(Protocol):
     mesh_spec:      the device mesh it runs on (jaxspec.mesh.MeshSpec); names the cost profile.
     kernels:        the kernel plan its steps trace with (jaxspec.models.kernel_plan); its attention form names
                     the cost profile.
+    logprobs:       0, or N: steps return the emitted tokens' log-probabilities under the target and their top N
+                    alternatives (StepResult.logprobs), the last prefill chunk its token's (`first_token_logprobs`).
     """
 
     menu: Menu
@@ -55,6 +57,7 @@ class EngineAPI(Protocol):
     dtype: str
     mesh_spec: MeshSpec
     kernels: KernelPlan
+    logprobs: int
 
     def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True) -> int:
         """Make every shape of the menu (or `keys`) ready; returns how many were built."""
@@ -67,6 +70,9 @@ class EngineAPI(Protocol):
         """Write prompt tokens at positions start.. of `slot`; on the last chunk return the first
         generated token (else None). Returns once the chunk has run. A context-tracking draft does
         not see the prompt here: it is in the slot's `catch_up_plan`. Raises CapacityError past max_len."""
+
+    def first_token_logprobs(self, slot: int) -> TokenLogprobs:
+        """The log-probabilities of the token the slot's last prefill drew (logprobs > 0; else ValueError)."""
 
     def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> StepResult:
         """One step at padded k (a menu value) with optional per-row caps ≤ k. Raises MenuMissError

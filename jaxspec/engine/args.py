@@ -21,6 +21,7 @@ from jaxspec.models.kernel_plan import KERNELS_ENV, KernelChoice, kernel_choice
 from jaxspec.policy.spec import HELP as POLICY_HELP
 from jaxspec.policy.spec import PolicySpec
 from jaxspec.speculation.suffix_tree import SCOPES, SuffixConfig
+from jaxspec.types import MAX_LOGPROBS
 
 TOKENIZERS = ("model", "ascii", "bytes")  # the model's own, or a toy one (jaxspec.serving.toy_tokenizer.TOY_TOKENIZERS)
 
@@ -82,12 +83,19 @@ class EngineArgs:
     no_overlap: bool = _flag(False, "run the synchronous decode loop: read each step's tokens before dispatching the "
                              "next (the default overlaps them: docs/design.md, 'The overlapped loop'); for comparison",
                              shown="overlapped", action="store_true")
+    logprobs: int = _flag(0, "N in 1..20: every step also returns the emitted tokens' log-probabilities under the "
+                          "target and their top N alternatives, so requests may ask for logprobs (up to N "
+                          "top_logprobs); 0 = off (the default step computes none)", type=int, metavar="N")
+
+    SERVE_ONLY = ("logprobs",)  # flags only `jaxspec serve` takes (only= names them; the default set leaves them out)
 
     def __post_init__(self):
         if self.proposer not in PROPOSERS:
             raise ValueError(f"unknown proposer {self.proposer!r}; choose one of {', '.join(PROPOSERS)}")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"unknown tokenizer {self.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         low, high = self.ngram
@@ -179,7 +187,7 @@ class EngineArgs:
     def _fields(cls, only: Iterable[str] | None) -> list[dataclasses.Field]:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         if only is None:
-            return list(fields.values())
+            return [f for name, f in fields.items() if name not in cls.SERVE_ONLY]
         unknown = [name for name in only if name not in fields]
         if unknown:
             raise ValueError(f"EngineArgs has no fields {unknown}; known: {', '.join(fields)}")

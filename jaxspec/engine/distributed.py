@@ -372,6 +372,7 @@ class LeaderEngine:
         self.mesh_spec = engine.mesh_spec
         self.kernels = engine.kernels
         self._dispatched = 0  # dispatch_step calls so far: a dispatched step's id
+        self.logprobs = engine.logprobs
         with self._lock:
             link.send("hello", fingerprint(engine))
 
@@ -433,6 +434,9 @@ class LeaderEngine:
 
     def length(self, slot: int) -> int:
         return self.engine.length(slot)
+
+    def first_token_logprobs(self, slot: int):
+        return self.engine.first_token_logprobs(slot)
 
     def room(self, slot: int) -> int:
         return self.engine.room(slot)
@@ -590,7 +594,8 @@ def _apply(engine: EngineAPI, call: str, args: dict[str, Any], dispatched: dict[
 def fingerprint(engine: EngineAPI) -> dict[str, Any]:
     """What must be equal on every process for the same calls to run the same executables."""
     return {"model": engine.model_name, "proposer": engine.proposer_name, "dtype": engine.dtype,
-            "mesh": str(engine.mesh_spec), "vocab_size": int(engine.vocab_size), "menu": repr(engine.menu)}
+            "mesh": str(engine.mesh_spec), "vocab_size": int(engine.vocab_size), "menu": repr(engine.menu),
+            "logprobs": int(engine.logprobs)}
 
 
 def encode_key(key: ShapeKey) -> list:

@@ -43,7 +43,16 @@ from jaxspec.models.kv_cache import init_cache
 from jaxspec.models.llama import Llama, serving_split
 from jaxspec.models.sharding import cache_spec, padded_slots, plan_layout, replicated_layout, serving_placement
 from jaxspec.speculation.proposers.base import NoProposer, Proposer
-from jaxspec.types import DecodeState, HostProposals, SamplingParams, SlotParams, StepResult
+from jaxspec.types import (
+    MAX_LOGPROBS,
+    DecodeState,
+    HostProposals,
+    SamplingParams,
+    SlotParams,
+    StepResult,
+    TokenLogprobs,
+    token_logprobs,
+)
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
@@ -70,10 +79,18 @@ class CatchUpTotals:
 
 
 class Engine:
-    """Owns the device state and the compiled menu for one target (+ proposer); an `EngineAPI`."""
+    """Owns the device state and the compiled menu for one target (+ proposer); an `EngineAPI`.
+
+    logprobs: 0, or N in [1, MAX_LOGPROBS]: every step and last prefill chunk also return the emitted tokens'
+    log-probabilities under the target and their top N alternatives (StepResult.logprobs,
+    `first_token_logprobs`); static, so the default engine compiles the same executables as without it.
+    """
 
     def __init__(self, target: Llama, proposer: Proposer | None = None, menu: Menu = Menu(),
-                 mesh: MeshSpec = MeshSpec(), kernels: KernelChoice = "auto"):
+                 mesh: MeshSpec = MeshSpec(), kernels: KernelChoice = "auto", logprobs: int = 0):
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        self.logprobs = logprobs
         self.model_config = target.config
         self.proposer = proposer or NoProposer()
         if isinstance(self.proposer, NoProposer) and menu.k_menu != (0,):
@@ -119,7 +136,8 @@ class Engine:
         self._proposer_params = self.proposer.params(self.proposer_placement)
         #: the host structure a proposer with `host_proposals` proposes from (the scheduler feeds it), else None
         self.suffix_index = getattr(self.proposer, "index", None) if self.proposer.host_proposals else None
-        self.bodies = StepBodies(self._graphdef, self.proposer, menu, self.kernels)
+        self.bodies = StepBodies(self._graphdef, self.proposer, menu, self.kernels, logprobs)
+        self._first_logprobs: dict[int, TokenLogprobs] = {}  # slot -> its first token's (logprobs > 0)
         self.executables = CompiledMenu(menu, self._lower)
         # host mirror of committed lengths, with an upper bound for steps in flight (jaxspec.engine.pending)
         self._mirror = SlotMirror(menu.num_slots)
@@ -188,7 +206,8 @@ class Engine:
         if isinstance(key, StepKey):
             host = (rep,) if self.proposer.host_proposals else ()  # host proposals: one more input
             fn = jax.jit(self.bodies.step(key.k, key.window), donate_argnums=(2,),
-                         in_shardings=(params, proposer_params, state, rep, rep, *host), out_shardings=(state, rep))
+                         in_shardings=(params, proposer_params, state, rep, rep, *host),
+                         out_shardings=self._outputs(state))
             return fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch),
                             *self._host_inputs(key.batch, key.k, spec=True))
         if isinstance(key, CatchUpKey):
@@ -197,9 +216,13 @@ class Engine:
             return fn.lower(self._proposer_params, self.state, i32(1), i32(1), i32(1))
         if isinstance(key, PrefillKey):
             fn = jax.jit(self.bodies.prefill(key.chunk, key.window), donate_argnums=(2,),
-                         in_shardings=(params, proposer_params, state, rep), out_shardings=(state, rep))
+                         in_shardings=(params, proposer_params, state, rep), out_shardings=self._outputs(state))
             return fn.lower(self._params, self._proposer_params, self.state, PrefillInputs.spec(key.chunk))
         raise TypeError(f"not a shape key: {key!r}")
+
+    def _outputs(self, state) -> tuple:
+        """Output shardings of a step or prefill: (state, packed[, logprobs])."""
+        return (state, self._replicated, self._replicated) if self.logprobs else (state, self._replicated)
 
     def warmup(self, keys: Sequence[ShapeKey] | None = None, progress: bool = True, workers: int | None = None) -> int:
         """Compile the menu ahead of time (`workers` threads: jaxspec.engine.executables) and run each new shape
@@ -214,8 +237,8 @@ class Engine:
         zero = np.zeros((1,), np.int32)
         if isinstance(key, StepKey):  # padding rows: the scratch slot, proposing nothing
             rows = np.full((key.batch,), self.scratch_slot, np.int32)
-            self.state, _ = fn(self._params, self._proposer_params, self.state, rows, np.zeros_like(rows),
-                               *self._host_inputs(key.batch, key.k))
+            self.state = fn(self._params, self._proposer_params, self.state, rows, np.zeros_like(rows),
+                            *self._host_inputs(key.batch, key.k))[0]
         elif isinstance(key, CatchUpKey):
             self.state = fn(self._proposer_params, self.state, scratch, zero, zero)
         else:  # PrefillKey: one token at position 0 of the scratch slot, not the prompt's last chunk
@@ -223,7 +246,7 @@ class Engine:
                                      n_valid=np.ones((1,), np.int32), is_last=np.bool_(False),
                                      temperature=np.zeros((1,), np.float32), top_p=np.ones((1,), np.float32),
                                      top_k=zero, seed=zero)
-            self.state, _ = fn(self._params, self._proposer_params, self.state, chunk_in)
+            self.state = fn(self._params, self._proposer_params, self.state, chunk_in)[0]
         jax.block_until_ready(self.state)
 
     def compiled_text(self, key: ShapeKey) -> str:
@@ -236,7 +259,7 @@ class Engine:
         benchmarks that time the executable alone: jaxspec.bench.floor, benchmarks/host_overhead.py)."""
         self.state, packed = self.executables.get(key)(self._params, self._proposer_params, self.state,
                                                       np.asarray(slot_ids, np.int32), np.asarray(caps, np.int32),
-                                                      *self._host_inputs(key.batch, key.k))
+                                                      *self._host_inputs(key.batch, key.k))[:2]
         return packed
 
     def _host_inputs(self, batch: int, k: int, proposals: HostProposals | None = None, spec: bool = False) -> tuple:
@@ -285,7 +308,8 @@ class Engine:
             n_valid=np.array([n], np.int32), is_last=np.bool_(is_last),
             temperature=np.array([params.temperature], np.float32), top_p=np.array([params.top_p], np.float32),
             top_k=np.array([params.top_k], np.int32), seed=np.array([seed], np.int32))
-        self.state, first = self.executables.get(key)(self._params, self._proposer_params, self.state, chunk_in)
+        self.state, first, *logprobs = self.executables.get(key)(self._params, self._proposer_params, self.state,
+                                                                 chunk_in)
         self.lengths[slot] = start + n
         if start == 0:  # a new prompt: the draft has seen none of it (it catches up before speculating)
             self.proposer_lengths[slot] = 0
@@ -295,7 +319,18 @@ class Engine:
             # a 64-token prefill to a decode shape (docs/design.md, "The goodput policy").
             jax.block_until_ready(self.state)
             return None
-        return int(np.asarray(first)[0])
+        first = int(np.asarray(first)[0])
+        if logprobs:  # values [1, 1, 1+N], ids [1, 1, N]
+            values, ids = (np.asarray(a)[0, 0] for a in logprobs[0])
+            self._first_logprobs[slot] = token_logprobs(first, values[0], ids, values[1:], self.logprobs)
+        return first
+
+    def first_token_logprobs(self, slot: int) -> TokenLogprobs:
+        """The log-probabilities of the first token the slot's last prefill drew (engines with logprobs > 0)."""
+        if slot not in self._first_logprobs:
+            raise ValueError(f"no log-probabilities for slot {slot}: the engine's logprobs option is 0, or the slot "
+                             "has no finished prefill")
+        return self._first_logprobs[slot]
 
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams, seed: int | None = None) -> int:
         """Whole-prompt prefill (`engine_api.prefill_prompt`). Returns the first token.
@@ -357,11 +392,11 @@ class Engine:
         caps[:n] = shape.caps
         padded = np.full((b,), self.scratch_slot, np.int32)  # [B]
         padded[:n] = slots
-        self.state, packed = fn(self._params, self._proposer_params, self.state, padded, caps,
-                                *self._host_inputs(b, shape.k, host))
+        self.state, packed, *logprobs = fn(self._params, self._proposer_params, self.state, padded, caps,
+                                           *self._host_inputs(b, shape.k, host))
         epochs = self._mirror.dispatched(slots, shape.caps)
         step = DispatchedStep(self, slots, epochs, np.asarray(shape.caps, np.int64), shape.k, packed,
-                              catch_up_calls, catch_up_s)
+                              catch_up_calls, catch_up_s, logprobs[0] if logprobs else None)
         self._in_flight.append(step)
         return step
 
@@ -389,6 +424,9 @@ class Engine:
         result = StepResult(tokens=packed[:, : k_run + 1], counts=packed[:, k_run + 1], proposed=packed[:, k_run + 2],
                             catch_up_calls=step.catch_up_calls, catch_up_s=step.catch_up_s)
         current = self._mirror.read(step.slots, step.epochs, step.caps, result.counts)  # [n]
+        if step.logprobs is not None:  # values [B, k+1, 1+N], ids [B, k+1, N]
+            values, ids = (np.asarray(x)[:n] for x in step.logprobs)
+            result = dataclasses.replace(result, logprobs=values[:, :, 0], top_logprobs=values[:, :, 1:], top_ids=ids)
         if self.proposer.tracks_context:  # what the draft holds now, as its commit left it
             self.proposer_lengths[np.asarray(step.slots)[current]] = packed[current, k_run + 3]
         return result
@@ -432,12 +470,14 @@ class Engine:
         self._in_flight.clear()  # their results can still be read; they no longer touch any slot
         self._mirror.reset()
         self.proposer_lengths[:] = 0
+        self._first_logprobs.clear()
 
     def free(self, slot: int) -> None:
         """Forget a slot's contents (the next prefill overwrites it). A step in flight that holds the slot
         still runs; reading it leaves the slot alone."""
         self._mirror.free(slot)
         self.proposer_lengths[slot] = 0
+        self._first_logprobs.pop(slot, None)
 
 
 
@@ -446,7 +486,7 @@ class DispatchedStep:
     """A step `Engine.dispatch_step` started (a `jaxspec.engine.pending.PendingStep`).
 
     slots [n], epochs [n] (the slots' epochs at dispatch), caps [n], k_run: the step's rows and shape;
-    packed: [B, k_run+4] on the device, read by the first `result()`."""
+    packed: [B, k_run+4] on the device, read by the first `result()` (with `logprobs` when the engine has them)."""
 
     engine: Engine
     slots: list[int]
@@ -456,6 +496,7 @@ class DispatchedStep:
     packed: jax.Array
     catch_up_calls: int
     catch_up_s: float
+    logprobs: tuple[jax.Array, jax.Array] | None  # (values [B, k+1, 1+N], ids [B, k+1, N]) with logprobs N > 0
     done: StepResult | None = None
 
     def result(self) -> StepResult:

@@ -6,6 +6,9 @@ The "proposer" is right about the first `accept` proposals of every row and wron
 a row verifying c proposals commits min(accept, c) + 1 tokens: the output is the same for every k
 (the lossless property, by construction) while the acceptance is whatever a test asks for.
 
+With `logprobs` N > 0 every emitted token t comes with hand-checkable log-probabilities: alternative j
+(0 = t itself) is (t + j) mod V with log-probability -(j + 1) / 4 (`fake_logprobs`).
+
 Everything else is the real engine's contract: the same menu arithmetic (`jaxspec.menu.Menu`),
 MenuMissError for a shape that was not warmed up, CapacityError past max_len, lazy draft catch-up
 plans when `tracks_context`, free/reset, split steps (`dispatch_step`: the arithmetic runs at dispatch, the
@@ -24,7 +27,7 @@ from jaxspec.engine.pending import SlotMirror
 from jaxspec.menu import CapacityError, CatchUpCall, Menu, MenuMissError, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec
 from jaxspec.models.kernel_plan import XLA_PLAN
-from jaxspec.types import SamplingParams, StepResult
+from jaxspec.types import SamplingParams, StepResult, TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +45,13 @@ class FakeEngine:
     accept:           proposals each row gets right (an int, or f(slot) -> int).
     tracks_context:   the proposer keeps per-slot context (a draft model): plans lazy catch-up.
     in_step_catch_up: tokens a speculating step feeds the proposer itself (as a draft's propose).
+    logprobs:         0, or N: steps and prefills return log-probabilities with N alternatives (`fake_logprobs`).
     """
 
     def __init__(self, menu: Menu, *, vocab_size: int = 64, eos_token_ids: Sequence[int] = (),
                  accept: int | Callable[[int], int] = 0, model_name: str = "fake", proposer_name: str = "fake",
-                 dtype: str = "float32", tracks_context: bool = False, in_step_catch_up: int = 2):
+                 dtype: str = "float32", tracks_context: bool = False, in_step_catch_up: int = 2,
+                 logprobs: int = 0):
         self.menu = menu
         self.model_name = model_name
         self.vocab_size = vocab_size
@@ -56,6 +61,7 @@ class FakeEngine:
         self.mesh_spec = MeshSpec()  # counts on the host: no devices
         self.kernels = XLA_PLAN  # no attention at all; the profile key's default
         self.accept = accept
+        self.logprobs = logprobs
         self.tracks_context = tracks_context
         self.in_step_catch_up = in_step_catch_up
         self.compiled: set[ShapeKey] = set()
@@ -93,6 +99,11 @@ class FakeEngine:
         self._pending[slot] = self._next(self._history[slot][-1])
         return self._pending[slot]
 
+    def first_token_logprobs(self, slot: int) -> TokenLogprobs:
+        if not self.logprobs:
+            raise ValueError("the engine's logprobs option is 0")
+        return fake_logprobs(self._pending[slot], self.logprobs, self.vocab_size)
+
     def step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> StepResult:
         return self.dispatch_step(slot_ids, k, row_k).result()
 
@@ -124,6 +135,12 @@ class FakeEngine:
             self._lengths[slot] += accepted + 1
         result = StepResult(tokens=tokens, counts=counts, proposed=np.asarray(shape.caps, np.int64),
                             catch_up_calls=catch_up)
+        if self.logprobs:  # [B, k+1], [B, k+1, N], [B, k+1, N]
+            alternatives = np.arange(self.logprobs)
+            top_ids = (tokens[:, :, None] + alternatives) % self.vocab_size
+            top_logprobs = np.broadcast_to(-(alternatives + 1) / 4, top_ids.shape).astype(np.float32)
+            result = dataclasses.replace(result, logprobs=np.full(tokens.shape, -0.25, np.float32),
+                                         top_logprobs=top_logprobs, top_ids=top_ids)
         step = FakeStep(self, slots, self._mirror.dispatched(slots, shape.caps), shape.caps, result)
         self._in_flight.append(step)
         return step
@@ -210,3 +227,8 @@ class FakeStep:
         if not self.read:
             self.engine.read_through(self)
         return self.computed
+
+
+def fake_logprobs(token: int, n_top: int, vocab_size: int) -> TokenLogprobs:
+    """The fake engine's log-probabilities of an emitted `token` with `n_top` alternatives."""
+    return TokenLogprobs(int(token), -0.25, tuple(((int(token) + j) % vocab_size, -(j + 1) / 4) for j in range(n_top)))

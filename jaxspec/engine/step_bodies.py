@@ -59,15 +59,30 @@ class PrefillInputs:
                    seed=i32(1))
 
 
+def emitted_logprobs(logits: jax.Array, tokens: jax.Array, n_top: int) -> tuple[jax.Array, jax.Array]:
+    """The target's raw log-probabilities (log_softmax at temperature 1, no top-k / top-p) of emitted tokens:
+    logits [B, T, V] (row t scores tokens[:, t]), tokens [B, T] (-1 past the emitted ones) ->
+    (values [B, T, 1 + n_top] float32: the token's then its top n_top alternatives', ids [B, T, n_top] int32)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, T, V]
+    chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None], axis=-1)  # [B, T, 1]
+    top_values, top_ids = jax.lax.top_k(logp, n_top)  # [B, T, N], [B, T, N]
+    return jnp.concatenate([chosen, top_values], axis=-1), top_ids.astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepBodies:
     """The bodies for one target (its graph definition) and proposer, traced with one kernel plan. The scratch
-    slot (`menu.num_slots`) takes the padding rows of a step and is emptied after every step."""
+    slot (`menu.num_slots`) takes the padding rows of a step and is emptied after every step.
+
+    logprobs: 0, or N: step and prefill also return the emitted tokens' log-probabilities and their top N
+    alternatives (`emitted_logprobs`) as a third output; static, so an engine without them runs the same bodies.
+    """
 
     graphdef: nnx.GraphDef
     proposer: Proposer
     menu: Menu
     kernels: KernelPlan
+    logprobs: int = 0
 
     def rows(self, state: DecodeState, slot_ids: jax.Array) -> RowParams:
         p = state.params
@@ -76,7 +91,8 @@ class StepBodies:
 
     def step(self, k: int, window: int) -> Callable:
         """The (B, k, W) step: (target_params, proposer_params, state, slot_ids [B], row_k [B][, host]) -> (state,
-        packed); `host` (a `HostProposals` of [B, k]) only for a proposer with `host_proposals`."""
+        packed), or (state, packed, (values [B, k+1, 1+N], ids [B, k+1, N])) with logprobs N > 0; `host` (a
+        `HostProposals` of [B, k]) only for a proposer with `host_proposals`."""
         proposer = self.proposer
         scratch = self.menu.num_slots
         tree = self.menu.tree_at(k)
@@ -97,6 +113,9 @@ class StepBodies:
                     tree_lib.tree_inputs(pending, rooted, slot_ids, start, tree.depth), state.cache, window,
                     layers=layers, kernels=self.kernels)  # [B, k+1, V]
                 out, counts, path = verify_tree(logits, *rooted, ctx.rows, tree.depth)
+                # out[:, j] was drawn at the path's node of depth j: emitted_logits [B, k+1, V]
+                node = path[:, jnp.minimum(jnp.arange(k + 1), tree.depth)]  # [B, k+1]
+                emitted_logits = jnp.take_along_axis(logits, node[:, :, None], axis=1)
                 cache = tree_lib.compact(cache, slot_ids, start, path)  # the accepted path where a chain has it
                 proposed = jnp.sum(valid, axis=1).astype(jnp.int32)  # [B]
             else:
@@ -113,6 +132,7 @@ class StepBodies:
                                                             state.cache, window, layers)  # [B, k+1, D], [B, k+1, n·D]
                 logits = target.unembed(hidden, self.kernels)  # [B, k+1, V]
                 out, counts = verify(logits, proposals, ctx.rows)  # [B, k+1], [B]
+                emitted_logits = logits  # out[:, j] was drawn at input position j
                 proposed = proposals.lens
                 if proposer.feature_layers:  # every committed position's feature, k = 0 included
                     pstate = proposer.record_features(pstate, slot_ids, start, features)
@@ -141,6 +161,8 @@ class StepBodies:
             # packed: [B, k+4] = tokens | count | proposed | proposer's context length  (one host copy per step)
             packed = jnp.concatenate([out, counts[:, None], proposed[:, None],
                                       proposer.context_lengths(pstate, slot_ids)[:, None]], axis=1)
+            if self.logprobs:
+                return new_state, packed, emitted_logprobs(emitted_logits, out, self.logprobs)
             return new_state, packed
 
         return body
@@ -154,7 +176,8 @@ class StepBodies:
         return hidden, None, cache
 
     def prefill(self, chunk: int, window: int) -> Callable:
-        """The (C, W) prefill chunk: (target_params, proposer_params, state, PrefillInputs) -> (state, first [1])."""
+        """The (C, W) prefill chunk: (target_params, proposer_params, state, PrefillInputs) -> (state, first [1]),
+        or (state, first, (values [1, 1, 1+N], ids [1, 1, N])) with logprobs N > 0."""
         proposer = self.proposer
 
         def body(target_params, proposer_params, state: DecodeState, chunk_in: PrefillInputs):
@@ -195,6 +218,8 @@ class StepBodies:
                 params=params,
                 proposer=pstate,
             )
+            if self.logprobs:
+                return new_state, first, emitted_logprobs(logits, first[:, None], self.logprobs)
             return new_state, first
 
         return body

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jaxspec.types import SamplingParams
+from jaxspec.types import SamplingParams, TokenLogprobs
 
 # --- errors ----------------------------------------------------------------------------
 
@@ -107,6 +107,7 @@ class RequestResult:
     text:      detokenised output (None without a tokenizer); a stop string and what follows are cut.
     seed:      the sampling seed used (drawn from the host for unseeded sampled requests).
     steps:     per decode step (k, proposed, accepted); the prefill's first token has no step.
+    logprobs:  one per token id when the request asked for them (params.logprobs), else ().
     """
 
     request_id: str
@@ -118,6 +119,7 @@ class RequestResult:
     seed: int
     steps: tuple[StepRecord, ...]
     timings: RequestTimings
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     @classmethod
     def rejected(cls, request: Request, reason: str) -> RequestResult:
@@ -153,13 +155,15 @@ class RequestResult:
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """A streamed event: the tokens and text a request gained; the last one has `finished` and `result`."""
+    """A streamed event: the tokens and text a request gained (and the tokens' log-probabilities when the request
+    asked for them); the last one has `finished` and `result`."""
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str
     finished: bool = False
     result: RequestResult | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class RequestHandle:
@@ -174,6 +178,20 @@ class RequestHandle:
         self._events: queue.Queue[RequestOutput] = queue.Queue()
         self._done = threading.Event()
         self._result: RequestResult | None = None
+        self._listener: Callable[[RequestOutput], None] | None = None
+        self._listener_lock = threading.Lock()
+
+    def listen(self, listener: Callable[[RequestOutput], None]) -> None:
+        """Have the owner's thread call `listener(event)` for every event from now on, instead of queueing
+        it (events queued before are passed at once, in order); `get` and iteration then see nothing. The
+        listener must be quick and must not raise: e.g. `loop.call_soon_threadsafe` into an event loop, so
+        events reach it without a thread of their own."""
+        with self._listener_lock:
+            if self._listener is not None:
+                raise RuntimeError(f"request {self.request_id!r} already has a listener")
+            while not self._events.empty():
+                listener(self._events.get_nowait())
+            self._listener = listener
 
     def __iter__(self) -> Iterator[RequestOutput]:
         """Blocking iteration over events until the final one (inclusive)."""
@@ -206,7 +224,11 @@ class RequestHandle:
         if event.finished:
             self._result = event.result
         if stream or event.finished:
-            self._events.put(event)
+            with self._listener_lock:
+                if self._listener is None:
+                    self._events.put(event)
+                else:
+                    self._listener(event)
         if event.finished:
             self._done.set()
 
@@ -223,12 +245,15 @@ class RequestLimits:
     stop_strings_allowed:  a tokenizer exists (stop strings are matched on text).
     max_tokens_limit:      the largest max_tokens a request may ask for; None = no limit (it is
                            capped to the cache room either way).
+    logprobs:              the engine's logprobs option: the most top alternatives a request may ask for; 0 = the
+                           engine returns no log-probabilities.
     """
 
     max_len: int
     vocab_size: int
     stop_strings_allowed: bool
     max_tokens_limit: int | None = None
+    logprobs: int = 0
 
     def __post_init__(self):
         if self.max_len < 2:
@@ -242,7 +267,8 @@ class RequestLimits:
     def for_engine(cls, engine: Any, tokenizer: Any, max_tokens_limit: int | None = None) -> RequestLimits:
         """The limits of an engine (`jaxspec.engine.api.EngineAPI`) with `tokenizer` (None: ids only)."""
         return cls(max_len=engine.menu.max_len, vocab_size=engine.vocab_size,
-                   stop_strings_allowed=tokenizer is not None, max_tokens_limit=max_tokens_limit)
+                   stop_strings_allowed=tokenizer is not None, max_tokens_limit=max_tokens_limit,
+                   logprobs=engine.logprobs)
 
 
 def validate_request(request: Request, limits: RequestLimits) -> int:
@@ -267,4 +293,9 @@ def validate_request(request: Request, limits: RequestLimits) -> int:
         raise InvalidRequestError("stop strings must be non-empty strings", rid)
     if p.stop_strings and not limits.stop_strings_allowed:
         raise InvalidRequestError("stop strings need a tokenizer", rid)
+    if p.logprobs is not None and not limits.logprobs:
+        raise InvalidRequestError("logprobs are off on this engine (serve with --logprobs N to allow them)", rid)
+    if p.logprobs is not None and p.logprobs > limits.logprobs:
+        raise InvalidRequestError(f"logprobs must be <= {limits.logprobs} on this engine (--logprobs), "
+                                  f"got {p.logprobs}", rid)
     return min(p.max_tokens, limits.max_len - len(prompt))

@@ -58,7 +58,7 @@ from jaxspec.scheduling.requests import (
     validate_request,
 )
 from jaxspec.speculation.proposers.suffix import host_proposals
-from jaxspec.types import HostProposals, StepResult
+from jaxspec.types import HostProposals, StepResult, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class _Live:
     prefilled: int = 0  # prompt tokens in the cache
     running: bool = False  # prefill done, decoding
     steps: list[StepRecord] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # per kept token, when asked
 
     @property
     def request_id(self) -> str:
@@ -416,7 +417,11 @@ class Scheduler:
         if is_last:
             live.running = True
             live.first_token_at = self.clock()
-            self._deliver(live, [first])
+            if p.logprobs is None:
+                self._deliver(live, [first])
+            else:  # the engine's top alternatives, cut to the request's
+                entry = self.engine.first_token_logprobs(live.slot)
+                self._deliver(live, [first], [dataclasses.replace(entry, top=entry.top[:p.logprobs])])
 
     def _view(self, rows: list[_Live]) -> tuple[BatchView, list[int]]:
         """What the policy sees of `rows`, and each row's cache room (the largest k it can verify)."""
@@ -542,7 +547,8 @@ class Scheduler:
             if alive and row.slot is not None:  # (a row before it in this loop cannot free it, but be exact)
                 row.steps.append(StepRecord(k=step.cap(i), proposed=int(result.proposed[i]),
                                             accepted=int(result.accepted[i])))
-                self._deliver(row, result.row_tokens(i))
+                n_top = row.request.params.logprobs
+                self._deliver(row, result.row_tokens(i), None if n_top is None else result.row_logprobs(i, n_top))
 
     def _publish(self, stats: StepStats) -> None:
         for listener in self._step_listeners:
@@ -565,8 +571,9 @@ class Scheduler:
             if row_k > room:
                 raise PolicyDecisionError(f"k={row_k} does not fit the cache (room for k <= {room})")
 
-    def _deliver(self, live: _Live, tokens: list[int]) -> None:
-        """Pass a row's new tokens through its output processor, stream them, retire it if finished."""
+    def _deliver(self, live: _Live, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
+        """Pass a row's new tokens (and their log-probabilities) through its output processor, stream them, retire
+        it if finished."""
         if self.suffix_index is not None:  # every committed token, as the slot's history holds it
             self.suffix_index.extend(live.request_id, tokens)
         try:
@@ -575,15 +582,18 @@ class Scheduler:
             log.exception("post-processing request %r failed", live.request_id)
             self._finish(live, FinishReason.ERROR, f"post-processing failed: {exc!r}")
             return
+        kept = tuple(logprobs[:len(delta.token_ids)]) if logprobs is not None else ()  # the tokens push kept
+        live.logprobs.extend(kept)
         if delta.finish_reason is None:
-            live.handle.publish(RequestOutput(live.request_id, delta.token_ids, delta.text), live.stream)
+            live.handle.publish(RequestOutput(live.request_id, delta.token_ids, delta.text, logprobs=kept), live.stream)
         else:
-            self._finish(live, delta.finish_reason, new_tokens=delta.token_ids, new_text=delta.text)
+            self._finish(live, delta.finish_reason, new_tokens=delta.token_ids, new_text=delta.text, new_logprobs=kept)
 
     # --- retiring and failures -------------------------------------------------------------
 
     def _finish(self, live: _Live, reason: FinishReason, error: str | None = None,
-                new_tokens: tuple[int, ...] = (), new_text: str = "") -> None:
+                new_tokens: tuple[int, ...] = (), new_text: str = "",
+                new_logprobs: tuple[TokenLogprobs, ...] = ()) -> None:
         now = self.clock()
         try:
             new_text += live.output.finish()
@@ -609,11 +619,13 @@ class Scheduler:
         )
         result = RequestResult(
             request_id=live.request_id, token_ids=tokens, text=live.output.text, finish_reason=reason, error=error,
-            prompt_len=len(live.request.prompt_token_ids), seed=live.seed, steps=tuple(live.steps), timings=timings)
+            prompt_len=len(live.request.prompt_token_ids), seed=live.seed, steps=tuple(live.steps), timings=timings,
+            logprobs=tuple(live.logprobs))
         with self._lock:
             self._live.pop(live.request_id, None)
             self._cancel_ids.discard(live.request_id)
-        live.handle.publish(RequestOutput(live.request_id, tuple(new_tokens), new_text, True, result), live.stream)
+        live.handle.publish(RequestOutput(live.request_id, tuple(new_tokens), new_text, True, result, new_logprobs),
+                            live.stream)
 
     def _fail_all(self, lives: Iterable[_Live], error: str) -> None:
         for live in list(lives):

@@ -8,8 +8,9 @@ app served by uvicorn in its own thread, streams as server-sent events (sse-star
     POST /v1/completions       `prompt` (one string)
     GET  /health               200 once warm-up is over and until draining starts, else 503
 
-Each of a request's `n` choices is one scheduler request; a relay thread per choice carries its events
-(one per engine step) into the event loop. Every error has OpenAI's shape
+Each of a request's `n` choices is one scheduler request; the scheduler's thread hands its events (one per
+engine step) straight to the event loop (`RequestHandle.listen` + `call_soon_threadsafe`: no relay thread).
+Every error has OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: 400 bad input (the field named), 401 a missing or wrong
 bearer token (/health exempt), 404 an unknown model or path, 408 a body that does not arrive within
 request_timeout_s, 413 a body over max_message_bytes, 429 a full queue, 503 warming up or draining.
@@ -24,13 +25,11 @@ import hmac
 import json
 import logging
 import math
-import queue
 import secrets
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent import futures
 from typing import Any
 
 import uvicorn
@@ -54,13 +53,12 @@ from jaxspec.scheduling.requests import (
 )
 from jaxspec.serving.serve_config import check_tls_pair
 from jaxspec.serving.wire import clip, shown
-from jaxspec.types import SamplingParams
+from jaxspec.types import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.25  # how often a relay thread checks that its stream is still wanted
 MAX_N = 16  # the most choices one request may ask for (each takes a scheduler request)
-EXTRA_RELAYS = 16  # relay threads beyond queue + slots
+EXTRA_CONNECTIONS = 16  # connections beyond queue + slots + pending calls (health checks, refusals)
 SHUTDOWN_GRACE_S = 5.0  # uvicorn's wait for open connections once the API has stopped
 FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -200,16 +198,9 @@ def parse_sampling(body: dict, *, chat: bool, default_max_tokens: int, max_strin
         if body.get(name, None) not in allowed:
             raise bad(name, f"'{name}' is not supported by this server")
     if chat:
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-            name = "logprobs" if body.get("logprobs") not in (None, False) else "top_logprobs"
-            raise bad(name, "logprobs are not supported yet (the engine does not return the target's "
-                      "log-probabilities)")
         fmt = body.get("response_format")
         if fmt is not None and fmt != {"type": "text"}:
             raise bad("response_format", "only response_format {'type': 'text'} is supported")
-    elif body.get("logprobs") is not None:
-        raise bad("logprobs", "logprobs are not supported yet (the engine does not return the target's "
-                  "log-probabilities)")
     max_tokens = _integer(body, "max_tokens", None)
     if chat and body.get("max_completion_tokens") is not None:
         completion = _integer(body, "max_completion_tokens", None)
@@ -220,17 +211,36 @@ def parse_sampling(body: dict, *, chat: bool, default_max_tokens: int, max_strin
     if max_tokens is not None and max_tokens < 1:
         raise bad(max_name, f"'{max_name}' must be >= 1, got {max_tokens}")
     top_k = _integer(body, "top_k", 0)
-    return SamplingParams(
+    logprobs = parse_logprobs(body, chat=chat)
+    return SamplingParams(logprobs=logprobs,
         temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
         top_k=0 if top_k == -1 else top_k, seed=_integer(body, "seed", None),
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         stop_strings=parse_stop(body, max_strings, max_chars), ignore_eos=_boolean(body, "ignore_eos", False))
 
 
+def parse_logprobs(body: dict, *, chat: bool) -> int | None:
+    """The top alternatives asked per token (None: no logprobs). Chat: `logprobs` true and `top_logprobs` N;
+    completions: `logprobs` N."""
+    if not chat:
+        n = _integer(body, "logprobs", None)
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise bad("logprobs", f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {n}")
+        return n
+    top = _integer(body, "top_logprobs", None)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad("top_logprobs", f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}")
+    if not _boolean(body, "logprobs", False):
+        if top:
+            raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        return None
+    return top or 0
+
+
 def _param_of(reason: str) -> str | None:
     """The field an InvalidRequestError's reason is about ('temperature must be >= 0' -> 'temperature')."""
     first = reason.split(" ", 1)[0]
-    if first in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
+    if first in ("temperature", "top_p", "top_k", "seed", "max_tokens", "logprobs"):
         return first
     return "prompt" if "prompt" in reason or "token ids" in reason else None
 
@@ -243,11 +253,51 @@ def speculation_stats(result: RequestResult) -> dict:
             "seed": result.seed}
 
 
+class LogprobsView:
+    """OpenAI's `choices[].logprobs` from TokenLogprobs: chat's {"content": [...]} or completions' parallel lists.
+    The end-of-sequence token that ended a request adds no text and gets no entry."""
+
+    FLOOR = -9999.0  # OpenAI's stand-in for a log-probability of -inf (JSON has no infinity)
+
+    def __init__(self, tokenizer: Any, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offset = 0  # completions' text_offset of the next token
+
+    @staticmethod
+    def shown(entries: tuple[TokenLogprobs, ...], finish: FinishReason | None) -> tuple[TokenLogprobs, ...]:
+        return entries[:-1] if finish == FinishReason.EOS and entries else entries
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _value(self, logprob: float) -> float:
+        return max(logprob, self.FLOOR) if math.isfinite(logprob) else self.FLOOR
+
+    def render(self, entries: tuple[TokenLogprobs, ...]) -> dict:
+        if self.chat:
+            content = []
+            for e in entries:
+                text, raw = self._token(e.token_id)
+                top = [dict(zip(("token", "bytes"), self._token(i)), logprob=self._value(v)) for i, v in e.top]
+                content.append({"token": text, "logprob": self._value(e.logprob), "bytes": raw, "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens, offsets = [], []
+        for e in entries:
+            tokens.append(self._token(e.token_id)[0])
+            offsets.append(self.offset)
+            self.offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [self._value(e.logprob) for e in entries],
+                "top_logprobs": [{self._token(i)[0]: self._value(v) for i, v in e.top} for e in entries],
+                "text_offset": offsets}
+
+
 # --- the app -------------------------------------------------------------------------------
 
 
 class OpenAIServer:
-    """The OpenAI-compatible API over a GenerationServer's scheduler, on `port` (0: any free port).
+    """The OpenAI-compatible API over a GenerationServer's scheduler, on `port` (here 0 binds any free port;
+    `jaxspec serve` turns HTTP off with 0 and never passes it).
 
     `start()` binds and serves (/health answers 503); `mark_ready()` once the GenerationServer is warm;
     `begin_shutdown()` refuses new completions (503); `shutdown()` waits for open calls, then stops.
@@ -262,7 +312,6 @@ class OpenAIServer:
         self._lock = threading.Condition()
         self._active = 0
         self.dropped = 0  # calls whose requests the server cancelled (a second SIGTERM, drain timeout)
-        self._relays: futures.ThreadPoolExecutor | None = None
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.app = Starlette(routes=[
@@ -293,12 +342,10 @@ class OpenAIServer:
             raise OSError(f"cannot bind {cfg.host}:{self.requested_port} for HTTP: {exc.strerror or exc}") from None
         self.port = sock.getsockname()[1]
         capacity = cfg.max_running or self.server.engine.menu.largest_batch
-        self._relays = futures.ThreadPoolExecutor(max_workers=cfg.max_queue + capacity + EXTRA_RELAYS,
-                                                  thread_name_prefix="jaxspec-http-relay")
         config = uvicorn.Config(
             self.app, log_level="warning", lifespan="off", access_log=False, ssl_certfile=cfg.tls_cert,
             ssl_keyfile=cfg.tls_key, timeout_keep_alive=int(max(1, cfg.request_timeout_s)),
-            limit_concurrency=cfg.max_queue + capacity + cfg.max_pending_calls + EXTRA_RELAYS,
+            limit_concurrency=cfg.max_queue + capacity + cfg.max_pending_calls + EXTRA_CONNECTIONS,
             timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S))
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]},
@@ -333,8 +380,6 @@ class OpenAIServer:
             self._uvicorn.should_exit = True
         if self._thread is not None:
             self._thread.join(SHUTDOWN_GRACE_S + 5)
-        if self._relays is not None:
-            self._relays.shutdown(wait=False, cancel_futures=True)
         return dropped == 0
 
     # --- plumbing ---------------------------------------------------------------------------
@@ -459,22 +504,15 @@ class OpenAIServer:
         disconnect, an error) cancels what is still running."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
-        wanted = threading.Event()
-        wanted.set()
 
-        def relay(index: int, handle: RequestHandle) -> None:
-            while wanted.is_set():
-                try:
-                    event = handle.get(timeout=POLL_S)
-                except queue.Empty:
-                    continue
+        def forward(index: int) -> Callable[[RequestOutput], None]:
+            def put(event: RequestOutput) -> None:  # on the scheduler's thread: hand over, return at once
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads any more
                     loop.call_soon_threadsafe(events.put_nowait, (index, event))
-                if event.finished:
-                    return
+            return put
 
         for i, handle in enumerate(handles):
-            self._relays.submit(relay, i, handle)
+            handle.listen(forward(i))
         try:
             open_choices = len(handles)
             while open_choices:
@@ -485,7 +523,6 @@ class OpenAIServer:
                     self.server.metrics.record_result(event.result)
                 yield index, event
         finally:
-            wanted.clear()
             for handle in handles:
                 if not handle.done():
                     handle.cancel()
@@ -539,6 +576,7 @@ class OpenAIServer:
             body = await self._read_json(request)
             stream = _boolean(body, "stream", False)
             handles, prompt_len = self._submit(body, chat)
+            want_logprobs = parse_logprobs(body, chat=chat) is not None
             call_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
             head = {"id": call_id, "object": "chat.completion" if chat else "text_completion",
                     "created": int(time.time()), "model": self.server.model_name}
@@ -554,9 +592,9 @@ class OpenAIServer:
 
                 streaming = True
                 return _ClosingEventSource(
-                    self._stream(handles, head, prompt_len, chat, include_usage, outcome), on_close=close,
-                    ping=15, sep="\n")
-            return await self._respond(request, handles, head, prompt_len, chat, started)
+                    self._stream(handles, head, prompt_len, chat, include_usage, outcome, want_logprobs),
+                    on_close=close, ping=15, sep="\n")
+            return await self._respond(request, handles, head, prompt_len, chat, started, want_logprobs)
         except ApiError as exc:
             status = exc.status
             return exc.response()
@@ -577,7 +615,7 @@ class OpenAIServer:
             self._lock.notify_all()
 
     async def _respond(self, request: HttpRequest, handles: list[RequestHandle], head: dict, prompt_len: int,
-                       chat: bool, started: float) -> Response:
+                       chat: bool, started: float, want_logprobs: bool) -> Response:
         """The whole completion as one JSON body; a client that disconnects first cancels it."""
         results: list[RequestResult | None] = [None] * len(handles)
 
@@ -606,8 +644,12 @@ class OpenAIServer:
             error = self._final_error(result)
             if error is not None:
                 raise error
+            logprobs = None
+            if want_logprobs:
+                view = LogprobsView(self.server.tokenizer, chat)
+                logprobs = view.render(view.shown(result.logprobs, result.finish_reason))
             choice: dict[str, Any] = {"index": i, "finish_reason": FINISH_REASONS[result.finish_reason],
-                                      "logprobs": None, "jaxspec": speculation_stats(result)}
+                                      "logprobs": logprobs, "jaxspec": speculation_stats(result)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": result.text}
             else:
@@ -620,15 +662,17 @@ class OpenAIServer:
                                        "total_tokens": prompt_len + completion}})
 
     async def _stream(self, handles: list[RequestHandle], head: dict, prompt_len: int, chat: bool,
-                      include_usage: bool, outcome: dict) -> AsyncIterator[dict]:
+                      include_usage: bool, outcome: dict, want_logprobs: bool) -> AsyncIterator[dict]:
         """SSE events: one chunk per engine step's new text per choice, each choice's last chunk with its
         finish_reason, the usage chunk when asked, then [DONE]. Sets outcome["status"] when it ends."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         extra = {"usage": None} if include_usage else {}
         completion = 0
+        views = [LogprobsView(self.server.tokenizer, chat) for _ in handles]
 
-        def chunk(index: int, text: str | None, finish: str | None = None, **fields) -> dict:
-            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None, **fields}
+        def chunk(index: int, text: str | None, finish: str | None = None, logprobs: tuple = (), **fields) -> dict:
+            shown = views[index].render(logprobs) if want_logprobs and logprobs else None
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": shown, **fields}
             if chat:
                 choice["delta"] = {} if text is None else {"content": text}
             else:
@@ -641,8 +685,8 @@ class OpenAIServer:
                                            "content": ""}, "finish_reason": None, "logprobs": None}], **extra})}
         async for index, event in self._events(handles):
             if not event.finished:
-                if event.text:
-                    yield chunk(index, event.text)
+                if event.text or event.logprobs:
+                    yield chunk(index, event.text, logprobs=event.logprobs)
                 continue
             result = event.result
             error = self._final_error(result)
@@ -651,8 +695,9 @@ class OpenAIServer:
                 yield {"data": json.dumps(error.body())}
                 return
             completion += len(result.token_ids)
-            if event.text:
-                yield chunk(index, event.text)
+            logprobs = LogprobsView.shown(event.logprobs, result.finish_reason)
+            if event.text or logprobs:
+                yield chunk(index, event.text, logprobs=logprobs)
             yield chunk(index, None, FINISH_REASONS[result.finish_reason], jaxspec=speculation_stats(result))
         if include_usage:
             yield {"data": json.dumps({**head, "choices": [], "usage": {

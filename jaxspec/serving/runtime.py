@@ -87,7 +87,7 @@ def assemble_engine(engine_args: EngineArgs, menu: Menu,
                                                  stop_strings_allowed=True))
     proposer = build_proposer(engine_args.proposer, built.model, engine_args.draft, ngram=engine_args.ngram, mesh=mesh,
                               kernels=kernels, suffix=engine_args.suffix_config())
-    engine = Engine(built.model, proposer, menu, mesh=mesh, kernels=kernels)
+    engine = Engine(built.model, proposer, menu, mesh=mesh, kernels=kernels, logprobs=engine_args.logprobs)
     print(f"kernels: {engine.kernels.describe()}", file=sys.stderr)
     if mesh.size > 1:
         print(f"mesh {mesh}: {mesh.size} {engine.mesh.devices.flat[0].platform} devices", file=sys.stderr)

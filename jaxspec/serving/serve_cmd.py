@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # the EngineArgs fields ServeConfig has
 ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer", "dtype", "mesh", "tree", "kernels",
-                "no_overlap")
+                "no_overlap", "logprobs")
 
 
 def build_server(config: ServeConfig, progress: bool = True,
@@ -61,10 +61,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=None, help=f"requests waiting for a slot before "
                         f"RESOURCE_EXHAUSTED (default {d.max_queue})")
     parser.add_argument("--host", default=None, help=f"address to bind (default {d.host})")
-    parser.add_argument("--port", type=int, default=None, help=f"gRPC port (default {d.port}; 0 = any free port)")
+    parser.add_argument("--port", type=int, default=None, help=f"gRPC port (default {d.port}; 0 = off)")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (default: off)")
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port, same process "
-                        "and scheduler as gRPC (default: off; 0 = any free port; docs/openai_api.md)")
+                        "and scheduler as gRPC (default: off; 0 = off; docs/openai_api.md)")
     parser.add_argument("--metrics-host", default=None, help=f"address /metrics binds (default {d.metrics_host}; "
                         "the endpoint has no auth and no TLS)")
     parser.add_argument("--allow-plaintext", action="store_true", default=None,
@@ -134,7 +134,7 @@ def _serve(config: ServeConfig, build: Callable[..., GenerationServer], leader: 
     try:
         try:
             server = build(config) if leader is None else build(config, leader=leader)
-            if config.http_port is not None:  # bound first: /health answers 503 during warm-up
+            if config.http_port:  # bound first: /health answers 503 during warm-up
                 from jaxspec.serving.openai_api import start_http
 
                 http = start_http(server, config.http_port)
@@ -148,7 +148,8 @@ def _serve(config: ServeConfig, build: Callable[..., GenerationServer], leader: 
             http.mark_ready()
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port is not None else ""
         api = f", HTTP on {http.address}" if http is not None else ""
-        print(f"jaxspec serve: {server.model_name} on {server.address}{api}{metrics}", file=sys.stderr, flush=True)
+        grpc_at = f" on {server.address}" if server.port is not None else " (gRPC off)"
+        print(f"jaxspec serve: {server.model_name}{grpc_at}{api}{metrics}", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             pass
         if http is not None:

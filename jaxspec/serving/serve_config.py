@@ -29,11 +29,14 @@ class ServeConfig:
         model's own), or a toy one for random-weight presets: 'ascii', 'bytes'; dtype: 'auto' (float32 on
         CPU, bfloat16 on GPU/TPU), 'float32', 'bfloat16'; mesh: 'data=D,model=M' (None: the menu's, else 1,1);
         tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only); kernels: 'auto' or
-        'xla' (None: $JAXSPEC_KERNELS, else auto); no_overlap: the synchronous scheduler loop (`--no-overlap`)
-    host:               the gRPC address to bind; off loopback, plain text (no tls_cert) needs allow_plaintext
+        'xla' (None: $JAXSPEC_KERNELS, else auto); no_overlap: the synchronous scheduler loop (`--no-overlap`);
+        logprobs: N > 0 lets requests ask for log-probabilities (at most N top alternatives), 0 = off
+    host:               the address gRPC and HTTP bind; off loopback, plain text (no tls_cert) needs allow_plaintext
+    port:               gRPC (jaxspec.v1.Generation); 0 = off
     metrics_port:       None = no metrics endpoint; 0 = an ephemeral port
     metrics_host:       the address /metrics binds (no auth, no TLS: loopback unless set)
-    http_port:          the OpenAI-compatible HTTP API (jaxspec.serving.openai_api); None = off; 0 = an ephemeral port
+    http_port:          the OpenAI-compatible HTTP API (jaxspec.serving.openai_api); None or 0 = off. At least one of
+        port and http_port is on
     allow_plaintext:    serve without TLS on an address other than loopback (prompts, outputs and the
         bearer token then cross the network in clear)
     max_tokens_limit:   the largest max_tokens a request may ask for; default_max_tokens when it asks none
@@ -62,6 +65,7 @@ class ServeConfig:
     tree: str | None = None
     kernels: str | None = None
     no_overlap: bool = False
+    logprobs: int = 0
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
@@ -88,6 +92,8 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if self.port == 0 and not self.http_port:
+            raise ValueError("both servers are off (port 0 and no http_port): turn on gRPC (port) or HTTP (http_port)")
         for name in ("max_tokens_limit", "default_max_tokens", "max_queue", "max_stop_chars", "max_message_bytes",
                      "max_pending_calls", "max_pending_calls_per_peer"):
             if getattr(self, name) < 1:
@@ -118,7 +124,7 @@ class ServeConfig:
         """The engine this config names (ValueError for a bad proposer, tokenizer or policy)."""
         return EngineArgs(model=self.model, proposer=self.proposer, draft=self.draft, policy=self.policy,
                           menu=self.menu, tokenizer=self.tokenizer, dtype=self.dtype, mesh=self.mesh,
-                          tree=self.tree, kernels=self.kernels, no_overlap=self.no_overlap)
+                          tree=self.tree, kernels=self.kernels, no_overlap=self.no_overlap, logprobs=self.logprobs)
 
 
 def load_serve_config(path: str | Path | None = None, **overrides) -> ServeConfig:

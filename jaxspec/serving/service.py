@@ -14,8 +14,8 @@ registered request-streaming), so an unauthenticated call is refused from its me
 request message must then arrive within `request_timeout_s`, else the call is cancelled; at most
 `max_pending_calls` calls (health excluded) wait for theirs at once, half of them per connection and
 `max_pending_calls_per_peer` once its calls have waited (`call_guard.PEER_GRACE_S`), more get
-RESOURCE_EXHAUSTED (with grpc-retry-pushback-ms); the guard checks the size (`max_message_bytes`: INVALID_ARGUMENT over it; gRPC's own transport limit is twice that), that a
-unary call sends one message, and deserialises (malformed: INVALID_ARGUMENT). No half-open call
+RESOURCE_EXHAUSTED (with grpc-retry-pushback-ms); the guard checks the size (`max_message_bytes`:
+INVALID_ARGUMENT over it; gRPC's own transport limit is twice that), that a unary call sends one message, and deserialises (malformed: INVALID_ARGUMENT). No half-open call
 holds a thread for longer than the timeout; health never shares a limit or a thread with other
 calls, and its half-open calls are capped (HEALTH_WAITING, the oldest cancelled) below its threads.
 A prompt longer in bytes than any prompt that fits the context is refused before it is tokenized.
@@ -162,7 +162,8 @@ class GenerationServer:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        """host:port of gRPC; 'off' when the config's port is 0."""
+        return "off" if self.config.port == 0 else f"{self.config.host}:{self.port}"
 
     @property
     def pending_calls(self) -> int:
@@ -207,8 +208,9 @@ class GenerationServer:
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._bind(server)
-        self._grpc = server
+        if cfg.port != 0:  # port 0: gRPC off (the HTTP API serves alone)
+            self.port = self._bind(server)
+            self._grpc = server
         try:
             if cfg.metrics_port is not None:
                 self._metrics_http, self.metrics_port = self.metrics.serve_http(cfg.metrics_host, cfg.metrics_port)
@@ -216,8 +218,9 @@ class GenerationServer:
                 if not is_loopback(cfg.metrics_host):
                     log.warning("metrics on %s:%d: the endpoint has no auth and no TLS", cfg.metrics_host,
                                 self.metrics_port)
-            server.start()
-            log.info("listening on %s (NOT_SERVING until warm-up ends)", self.address)
+            if self._grpc is not None:
+                server.start()
+                log.info("listening on %s (NOT_SERVING until warm-up ends)", self.address)
             self._warm_up()
         except BaseException:
             self._stop_transport()

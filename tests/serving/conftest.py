@@ -1,4 +1,4 @@
-"""Shared pieces of the serving tests: fake and tiny engines, a step gate, servers on ephemeral ports.
+"""Shared pieces of the serving tests: fake and tiny engines, a step gate, servers on free ports.
 
 Most server tests run on `jaxspec.engine.fake.FakeEngine` (the engine contract without XLA: next token =
 previous + 1 mod 64, the first `accept` proposals right); a few end-to-end ones use the real tiny engine."""
@@ -6,6 +6,7 @@ previous + 1 mod 64, the first `accept` proposals right); a few end-to-end ones 
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -87,8 +88,15 @@ class StepGate:
         self._open.set()
 
 
+def free_port(host: str = HOST) -> int:
+    """A TCP port free on `host` now (the kernel's pick; port 0 turns a server off, so tests name ports)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def start_server(engine, tokenizer, policy, **config) -> GenerationServer:
-    return GenerationServer(engine, tokenizer, policy, ServeConfig(host=HOST, port=0, **config),
+    return GenerationServer(engine, tokenizer, policy, ServeConfig(host=HOST, port=free_port(), **config),
                             model_name="tiny").start()
 
 

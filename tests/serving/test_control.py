@@ -20,6 +20,7 @@ from tests.serving.conftest import (
     all_slots_free,
     client_for,
     fake_engine,
+    free_port,
     small_menu,
     start_server,
     wait_until,
@@ -152,7 +153,8 @@ def test_unavailable_and_not_serving_until_warm():
         return warmup(progress=progress)
 
     engine.warmup = probing_warmup
-    server = GenerationServer(engine, ascii_tokenizer(), None, ServeConfig(host=HOST, port=0), model_name="tiny")
+    server = GenerationServer(engine, ascii_tokenizer(), None, ServeConfig(host=HOST, port=free_port()),
+                              model_name="tiny")
     server.start()
     try:
         assert seen["health"] == "NOT_SERVING"
@@ -173,7 +175,7 @@ def test_build_server_profiles_a_goodput_policy_once(tmp_path, monkeypatch):
     menu = tmp_path / "menu.yaml"
     menu.write_text("num_slots: 1\nmax_len: 64\nbatch_buckets: [1]\nk_menu: [0, 2]\nwindow_buckets: [64]\n"
                     "prefill_buckets: [16]\n")
-    config = ServeConfig(model="tiny", tokenizer="ascii", proposer="ngram", menu=str(menu), host=HOST, port=0)
+    config = ServeConfig(model="tiny", tokenizer="ascii", proposer="ngram", menu=str(menu), host=HOST, port=free_port())
     server = build_server(config, progress=False).start()
     try:
         assert server.policy.name == "goodput"

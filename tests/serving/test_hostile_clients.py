@@ -16,7 +16,7 @@ from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
 from jaxspec.serving.serve_config import ServeConfig
 from jaxspec.serving.service import SERVICE_NAME, GenerationServer
 from tests.fake_tokenizer import ascii_tokenizer
-from tests.serving.conftest import HOST, client_for, fake_engine, start_server, wait_until
+from tests.serving.conftest import HOST, client_for, fake_engine, free_port, start_server, wait_until
 
 GENERATE = f"/{SERVICE_NAME}/Generate"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -239,7 +239,7 @@ def test_busy_refusals_carry_a_pushback_and_the_transport_size_refusal_does_not(
 
 
 def test_metrics_bind_to_loopback_whatever_the_serving_host():
-    config = ServeConfig(host="127.0.0.2", port=0, metrics_port=0)
+    config = ServeConfig(host="127.0.0.2", port=free_port("127.0.0.2"), metrics_port=0)
     server = GenerationServer(fake_engine(slots=1), ascii_tokenizer(), None, config, model_name="tiny").start()
     try:
         assert server.metrics_address[0] == "127.0.0.1"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from jaxspec.serving.client import GenerationClient
-from tests.serving.conftest import HOST, wait_until
+from tests.serving.conftest import HOST, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 MENU = "num_slots: 2\nmax_len: 256\nbatch_buckets: [1]\nk_menu: [0]\nwindow_buckets: [256]\nprefill_buckets: [64]\n"
@@ -23,8 +23,8 @@ MENU = "num_slots: 2\nmax_len: 256\nbatch_buckets: [1]\nk_menu: [0]\nwindow_buck
 def _serve_and_ask(menu: Path, *mesh_flags: str) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "serve", "--menu", str(menu), "--proposer", "none",
-                             "--policy", "none", "--host", HOST, "--port", "0", *mesh_flags], cwd=ROOT, env=env,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                             "--policy", "none", "--host", HOST, "--port", str(free_port()), *mesh_flags],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
     try:

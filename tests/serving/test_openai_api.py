@@ -22,12 +22,13 @@ import pytest
 
 from benchmarks import load_test
 from jaxspec.serving.client import GenerationClient
-from tests.serving.conftest import HOST, wait_until
+from tests.serving.conftest import HOST, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret"
 STEP_DELAY = 0.02
 MAX_QUEUE = 4
+LOGPROBS = 3  # the served engine's --logprobs
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 
 
@@ -37,7 +38,8 @@ class Served:
     def __init__(self, *flags: str, announce: str, timeout: float = 180, delay: float = STEP_DELAY):
         env = dict(os.environ, JAXSPEC_TEST_STEP_DELAY=str(delay), PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.serving.serve_entry", *flags, "--host", HOST,
-                                      "--port", "0", "--http-port", "0", "--metrics-port", "0"],
+                                      "--port", str(free_port()), "--http-port", str(free_port()),
+                                      "--metrics-port", "0"],
                                      cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
@@ -71,7 +73,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served():
     server = Served("--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--proposer", "none", "--policy",
-                    "none", "--max-queue", str(MAX_QUEUE), "--auth-token", TOKEN, announce="tiny")
+                    "none", "--max-queue", str(MAX_QUEUE), "--auth-token", TOKEN, "--logprobs", str(LOGPROBS),
+                    announce="tiny")
     yield server
     assert server.stop() == 0, "".join(server.lines)
 
@@ -169,7 +172,8 @@ def test_n_samples_and_a_seed_that_repeats(client):
     (dict(prompt=""), "prompt"),
     (dict(prompt=["a", "b"]), "prompt"),
     (dict(prompt="hi" * 100), "prompt"),  # longer than the cache
-    (dict(prompt="hi", logprobs=2), "logprobs"),  # refused until the engine returns log-probabilities
+    (dict(prompt="hi", logprobs=LOGPROBS + 1), "logprobs"),  # more than the engine's --logprobs
+    (dict(prompt="hi", logprobs=21), "logprobs"),
     (dict(prompt="hi", frequency_penalty=0.5), "frequency_penalty"),
     (dict(prompt="hi", stream_options={"include_usage": True}), "stream_options"),
 ])
@@ -184,12 +188,43 @@ def test_bad_completion_input_is_400_naming_the_field(client, body, param):
     (dict(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      "messages[0].content[0]"),
-    (dict(messages=[{"role": "user", "content": "x"}], logprobs=True), "logprobs"),
+    (dict(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=LOGPROBS + 1), "logprobs"),
+    (dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2), "top_logprobs"),  # without logprobs
 ])
 def test_bad_chat_input_is_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", **body)
     assert info.value.param == param, info.value.body
+
+
+def test_logprobs_of_chat_and_completions_streamed_and_not(client):
+    """The target's log-probabilities, one entry per token: at temperature 0 each token is its own most likely
+    alternative; a stream carries the same entries, chunk by chunk."""
+    messages = [{"role": "user", "content": "odds"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 12
+    assert "".join(e.token for e in content if e.token != "<eos>") == chat.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.top_logprobs[1].logprob <= entry.logprob
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=2,
+                                                 stream=True, **GREEDY))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert client.chat.completions.create(model="tiny", messages=messages, **GREEDY).choices[0].logprobs is None
+
+    whole = client.completions.create(model="tiny", prompt="odds", logprobs=LOGPROBS, **GREEDY).choices[0]
+    lp = whole.logprobs
+    # ignore_eos: end-of-sequence ids generated mid-text keep their entries (their token string adds no text)
+    assert "".join(t for t in lp.tokens if t != "<eos>") == whole.text and len(lp.token_logprobs) == 12
+    assert all(len(top) == LOGPROBS and top[t] == v for t, v, top in zip(lp.tokens, lp.token_logprobs,
+                                                                           lp.top_logprobs))
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(12)]
+    parts = list(client.completions.create(model="tiny", prompt="odds", logprobs=LOGPROBS, stream=True, **GREEDY))
+    assert [v for p in parts if p.choices and p.choices[0].logprobs for v in p.choices[0].logprobs.token_logprobs] \
+        == lp.token_logprobs
 
 
 def test_malformed_bodies_are_400_and_unknown_fields_are_ignored(served, client):

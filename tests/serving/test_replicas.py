@@ -16,11 +16,11 @@ import pytest
 from jaxspec.serving import client as client_cli
 from jaxspec.serving.client import GenerationClient, lists_several
 from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
-from tests.serving.conftest import HOST, wait_until
+from tests.serving.conftest import HOST, free_port, wait_until
 from tests.serving.test_sigterm import start_process
 
 FLAGS = ("--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--proposer", "none", "--policy", "none",
-         "--host", HOST, "--port", "0", "--metrics-port", "0")
+         "--host", HOST, "--metrics-port", "0")  # + "--port" with a free port each
 
 
 def metric(metrics_port: int, sample: str) -> float:
@@ -68,7 +68,8 @@ def routes_around(client: GenerationClient, metrics_port: int, probes: list[int]
 
 def test_two_replicas_behind_one_target_and_a_drain(tmp_path):
     gate = tmp_path / "hold-replica-a"  # while it exists, replica A's engine steps wait: its drain lasts
-    procs = [start_process(*FLAGS, env={"JAXSPEC_TEST_STEP_GATE": str(gate)}), start_process(*FLAGS)]
+    procs = [start_process(*FLAGS, "--port", str(free_port()), env={"JAXSPEC_TEST_STEP_GATE": str(gate)}),
+             start_process(*FLAGS, "--port", str(free_port()))]
     try:
         for proc, lines in procs:
             wait_until(lambda: any("jaxspec serve: tiny on" in l for l in lines) or proc.poll() is not None,

@@ -17,7 +17,7 @@ import grpc
 
 from jaxspec.serving.client import GenerationClient
 from jaxspec.serving.proto.jaxspec.v1 import generation_pb2 as pb
-from tests.serving.conftest import HOST, wait_until
+from tests.serving.conftest import HOST, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_DELAY = 0.05
@@ -50,7 +50,7 @@ def connect(proc, lines) -> GenerationClient:
 
 def test_sigterm_drains_in_flight_streams_and_exits_0():
     proc, lines = start_process("--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--proposer", "none",
-                                "--policy", "none", "--host", HOST, "--port", "0")
+                                "--policy", "none", "--host", HOST, "--port", str(free_port()))
     try:
         client = connect(proc, lines)
         assert client.health() == "SERVING"
@@ -82,7 +82,7 @@ def test_second_sigterm_drops_in_flight_streams_and_exits_1():
     """A second SIGTERM cancels the streams still running: they end UNAVAILABLE, the process says how
     many requests it dropped and exits 1 (not "drained", not 0)."""
     proc, lines = start_process("--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--proposer", "none",
-                                "--policy", "none", "--host", HOST, "--port", "0")
+                                "--policy", "none", "--host", HOST, "--port", str(free_port()))
     try:
         client = connect(proc, lines)
         # 100 tokens: >= 5 s of steps after the first message, far past the two signals below
@@ -113,6 +113,6 @@ def test_preset_without_tokenizer_is_a_clear_error(capsys):
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    assert run_serve(parser.parse_args(["--model", "tiny", "--menu", "tiny", "--port", "0"])) == 2
+    assert run_serve(parser.parse_args(["--model", "tiny", "--menu", "tiny"])) == 2
     err = capsys.readouterr().err
     assert "model 'tiny' has no tokenizer" in err and "--tokenizer ascii" in err

@@ -13,7 +13,7 @@ from jaxspec.serving.client import GenerationClient
 from jaxspec.serving.serve_cmd import add_serve_arguments, run_serve, serve_config_from_args
 from jaxspec.serving.service import GenerationServer
 from tests.fake_tokenizer import ascii_tokenizer
-from tests.serving.conftest import HOST, fake_engine, self_signed_cert, start_server
+from tests.serving.conftest import HOST, fake_engine, free_port, self_signed_cert, start_server
 
 TOKEN = "tls-token"
 
@@ -64,7 +64,8 @@ def test_key_not_matching_its_certificate_is_a_clear_error(tmp_path, capsys):
     engine = fake_engine(slots=1)
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    args = parser.parse_args(["--host", HOST, "--port", "0", "--tls-cert", str(cert), "--tls-key", str(other_key)])
+    args = parser.parse_args(["--host", HOST, "--port", str(free_port()), "--tls-cert", str(cert),
+                              "--tls-key", str(other_key)])
     with pytest.raises(ValueError, match=f"TLS key {other_key} does not match the certificate {cert}"):
         GenerationServer(engine, ascii_tokenizer(), None, serve_config_from_args(args), model_name="tiny").start()
     assert run_serve(args, build=lambda config: GenerationServer(engine, ascii_tokenizer(), None, config,
