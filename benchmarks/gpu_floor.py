@@ -347,10 +347,11 @@ def goals(decode: dict | None, floor: dict | None, measured: bool = True) -> lis
                 "value": None if row is None else row["engine_step_fraction"],
                 "executable_alone": None if row is None else row["executable_fraction"],
                 "peak_gbs": (decode or {}).get("peak_gbs"), "peak_source": (decode or {}).get("peak_source"),
+                "kernel_plan": (decode or {}).get("kernel_plan"), "label": (decode or {}).get("label"),
                 "met": None if row is None or not measured else row["engine_step_fraction"] >= GOAL_DECODE_FRACTION})
     k0 = next((r for r in (floor or {}).get("rows", []) if r["k"] == 0), None)
     out.append({"goal": "the k = 0 step <= 1.2x its bare chain (B = 1)", "target": GOAL_STEP_OVER_BARE,
-                "value": None if k0 is None else k0["ratio"],
+                "value": None if k0 is None else k0["ratio"], "kernel_plan": (floor or {}).get("kernel_plan"),
                 "met": None if k0 is None or not measured else k0["ratio"] <= GOAL_STEP_OVER_BARE})
     return out
 
