@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check (issue 42): the GPU step against its floor, Qwen2.5-1.5B-shaped bf16 random weights, one call ≤ 8 minutes.
 #
-#   benchmarks/gpu_check.sh "$OUT"              on one H100/H200 (stages' limits sum to 455 s; run with timeout_s 540)
+#   benchmarks/gpu_check.sh "$OUT"              on one H100/H200 (stages' limits: 455 s, + 120 s of XLA-form reruns)
 #   benchmarks/gpu_check.sh --dry-run "$OUT"    (or GPU_CHECK_DRY_RUN=1) the same Python on CPU, the tiny model
 #
 # What travels: the repository, and the wheels in .whl/ (gitignored) when present: the device image has JAX 0.11.2
