@@ -62,9 +62,9 @@ PIECE=(--model "$MODEL" --dtype "$DTYPE" --window "$WINDOW" --repeats "$REPEATS"
 status=0
 limit() { echo $(( $1 * SCALE )); }
 xla_retry() {  # xla_retry NAME: after stage NAME failed (not timed out) with the auto plan, "yes" to rerun it in
-  # the XLA form, so the call still records the goal's figure; the JSON's kernel_plan then says --kernels xla
+  # the XLA form (it raised), so the call still records the goal's figure; the JSON's kernel_plan says so
   local rc; rc=$(grep -o "^== $1 rc=[0-9]*" "$OUT/check.log" | tail -n 1 | sed "s/.*rc=//")
-  if [ "$KERNELS" = auto ] && [ -n "$rc" ] && [ "$rc" != 0 ] && [ "$rc" != 124 ]; then echo yes; fi
+  if [ "$KERNELS" = auto ] && [ "$rc" = 1 ]; then echo yes; fi  # 1: an exception (2: bad flags, 124: timed out)
 }
 # $OUT gets the JSON files and one log, check.log (a device call brings back at most 8 files)
 LOGS="$(mktemp -d)"

@@ -58,6 +58,7 @@ PEAK_HBM_GBS: tuple[tuple[str, float], ...] = (
 )
 
 
+LOOP_PROMPT_TOKENS = 24  # each request's prompt in the scheduler's loop
 PROBE_BYTES = 256 << 20  # the read-rate probe where the table has no figure (CPU dry runs)
 
 
@@ -197,7 +198,7 @@ def loop_run(engine, policy_spec: str, batch: int, max_tokens: int, overlap: boo
 
     scheduler = make_scheduler(engine, build_policy(policy_spec, engine, progress=False), overlap)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    requests = [Request(f"r{i}", prompt(engine.vocab_size, i, 24), params) for i in range(batch)]
+    requests = [Request(f"r{i}", prompt(engine.vocab_size, i, LOOP_PROMPT_TOKENS), params) for i in range(batch)]
     stamps: list[float] = []
     scheduler.add_step_listener(lambda stats: stamps.append(time.perf_counter()))
     t0 = time.perf_counter()
@@ -450,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.piece == "decode":
         if args.window < 64 or any(b < 1 for b in args.batch):
             parser.error("need --window >= 64 and batch sizes >= 1")
+        if args.loop and LOOP_PROMPT_TOKENS + args.max_tokens + 1 > args.window:
+            parser.error(f"--max-tokens {args.max_tokens} and a {LOOP_PROMPT_TOKENS}-token prompt do not fit "
+                         f"--window {args.window}")
         return run_decode(args, command)
     if args.piece == "floor":
         return run_floor(args, command)

@@ -68,14 +68,18 @@ def test_goals_are_unmeasured_without_their_pieces_or_on_a_dry_run():
     assert [g["met"] for g in goals(_decode(0.9), _floor(1.0), measured=False)] == [None, None]
 
 
-def test_an_overlapped_loop_is_refused_where_the_scheduler_has_none(tiny_model):
+def test_the_loop_is_chosen_through_the_schedulers_option_or_refused_without_one(tiny_model):
     engine = Engine(tiny_model, None, Menu(num_slots=1, max_len=64, batch_buckets=(1,), k_menu=(0,),
                                            window_buckets=(64,), prefill_buckets=(32,)))
-    if overlap_option() is not None:
-        pytest.skip("this build's scheduler has the overlapped loop")
-    with pytest.raises(ValueError, match="no overlapped loop"):
-        make_scheduler(engine, None, overlap=True)
-    assert make_scheduler(engine, None, overlap=None).engine is engine
+    how = overlap_option()
+    assert how in (None, "config", "scheduler")
+    if how is None:
+        with pytest.raises(ValueError, match="no overlapped loop"):
+            make_scheduler(engine, None, overlap=True)
+        assert make_scheduler(engine, None, overlap=None).engine is engine
+    elif how == "config":
+        assert make_scheduler(engine, None, overlap=False).config.overlap is False
+        assert make_scheduler(engine, None, overlap=True).config.overlap is True
 
 
 def test_warmup_summary_takes_medians_per_menu_and_mode():
