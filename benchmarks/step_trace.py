@@ -18,7 +18,10 @@ instruction of its program's optimised HLO and summed per (category, kernel kind
     other          everything else (norms, RoPE, cache writes, residual adds, verify and state updates)
 
 Device kernels that match no instruction by name or by their `hlo_op` argument (library kernels on a
-GPU) are summed as `unmatched`. Each program's untraced wall time per call is measured too: on a GPU,
+GPU) are summed as `unmatched`. Every device kernel is also listed by its own name (`top_kernels`: the trace's
+kernel names, cuBLAS and Pallas/Triton kernels included, with the HLO op each ran for, slowest first; on a
+backend whose trace has no device timeline, the matched kernels). Each program's untraced wall time per call is
+measured too: on a GPU,
 kernel time well below the wall time means launches and the gaps between kernels are the cost.
 The trace adds a little time to every kernel: compare the two programs' totals in the same run, not
 their milliseconds with `decode_speed`. Record the load with the result (it is printed and saved).
@@ -30,7 +33,9 @@ import argparse
 import collections
 import gzip
 import json
+import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -70,13 +75,15 @@ def category(opcode: str, name: str, shape: str, t: int, weight_widths: set[int]
     return "other"
 
 
-def kernel_times(call, hlo: str, calls: int) -> tuple[dict[str, float], float]:
-    """Milliseconds per call of every ENTRY kernel of `hlo`, from a profiler trace of `calls` calls, and the
+def kernel_times(call, hlo: str, calls: int) -> tuple[dict[str, float], float, list[dict]]:
+    """Milliseconds per call of every ENTRY kernel of `hlo`, from a profiler trace of `calls` calls, the
     milliseconds per call of device kernels the trace did not name after an instruction (on a GPU: library
-    kernels such as cuBLAS gemms, matched through their `hlo_op` argument when the trace gives one)."""
+    kernels such as cuBLAS gemms, matched through their `hlo_op` argument when the trace gives one), and every
+    device kernel by its trace name (`top_kernels`)."""
     kernels = entry_kernels(hlo)
     totals: collections.Counter = collections.Counter()
     unmatched = 0.0
+    by_name: dict[tuple[str, str], list[float]] = {}  # (trace name, hlo op) -> [ms, launches]
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(calls):
@@ -89,14 +96,22 @@ def kernel_times(call, hlo: str, calls: int) -> tuple[dict[str, float], float]:
     for event in events:
         if event.get("ph") != "X":
             continue
-        name = event.get("name")
+        trace_name = name = event.get("name")
         if name not in kernels:
             name = (event.get("args") or {}).get("hlo_op", name)
+        ms = event.get("dur", 0) / 1e3  # µs -> ms
         if name in kernels:
-            totals[name] += event.get("dur", 0) / 1e3  # µs -> ms
+            totals[name] += ms
         elif event.get("pid") in devices:
-            unmatched += event.get("dur", 0) / 1e3
-    return {name: ms / calls for name, ms in totals.items()}, unmatched / calls
+            unmatched += ms
+        listed = event.get("pid") in devices if devices else name in kernels  # a device timeline's, else HLO's
+        if listed:
+            entry = by_name.setdefault((trace_name, name if name in kernels else ""), [0.0, 0])
+            entry[0] += ms
+            entry[1] += 1
+    top = [{"name": trace_name, "hlo_op": op, "ms": ms / calls, "launches": n / calls}
+           for (trace_name, op), (ms, n) in sorted(by_name.items(), key=lambda item: -item[1][0])]
+    return {name: ms / calls for name, ms in totals.items()}, unmatched / calls, top
 
 
 def breakdown(per_kernel: dict[str, float], hlo: str, t: int, weight_widths: set[int]) -> list[dict]:
@@ -131,11 +146,13 @@ def summary(rows: list[dict], unmatched_ms: float = 0.0) -> dict[str, float]:
     return {**parts, "unmatched": round(unmatched_ms, 3), "total": round(sum(out.values()) + unmatched_ms, 3)}
 
 
-def trace_step(model, k: int, window: int, calls: int) -> dict:
-    """The step of `model` at (1, k, W) and the bare chain at T = k + 1, each traced and broken down."""
-    proposer = build_proposer("ngram", model) if k > 0 else None
+def trace_step(model, k: int, window: int, calls: int, kernels: str = "auto", top_kernels: int = 40) -> dict:
+    """The step of `model` at (1, k, W) and the bare chain at T = k + 1, each traced and broken down
+    (`kernels`: the engine's kernel choice, 'auto' or 'xla'; `top_kernels`: device kernels kept by name)."""
+    proposer = build_proposer("ngram", model, kernels=kernels) if k > 0 else None
     engine = Engine(model, proposer, Menu(num_slots=1, max_len=window, batch_buckets=(1,), k_menu=(k,),
-                                                window_buckets=(window,), prefill_buckets=(min(64, window),)))
+                                          window_buckets=(window,), prefill_buckets=(min(64, window),)),
+                    kernels=kernels)
     engine.warmup(progress=False)
     engine.prefill(0, [2 + i % 7 for i in range(8)], SamplingParams(temperature=0.0))
     c = engine.model_config
@@ -157,12 +174,13 @@ def trace_step(model, k: int, window: int, calls: int) -> dict:
     for _ in range(3):  # past first runs
         step()
         bare()
-    out = {"k": k, "W": window, "T": k + 1, "load_before": load()}
+    out = {"k": k, "W": window, "T": k + 1, "kernel_plan": engine.kernels.to_json(), "load_before": load()}
     for label, call, hlo in (("engine", step, engine.compiled_text(StepKey(1, k, window))),
                              ("bare", bare, bare_compiled.as_text())):
-        per_kernel, unmatched = kernel_times(call, hlo, calls)
+        per_kernel, unmatched, top = kernel_times(call, hlo, calls)
         rows = breakdown(per_kernel, hlo, k + 1, widths)
-        out[label] = {"summary": summary(rows, unmatched), "kernels": rows}
+        out[label] = {"summary": summary(rows, unmatched), "kernels": rows, "top_kernels": top[:top_kernels],
+                      "device_kernels_per_call": sum(t["launches"] for t in top)}
     # the calls' wall time, untraced, alternated: kernel time far below it means launches and gaps dominate
     out["engine_wall_ms"], out["bare_wall_ms"] = (1e3 * s for s in interleaved_medians([run_step, bare], calls,
                                                                                       prepares=[hold, None]))
@@ -181,6 +199,10 @@ def format_result(r: dict, top: int = 12) -> str:
     lines.append(f"engine kernels, slowest {top}:")
     lines += [f"  {x['ms']:7.3f} ms  {x['count']:4d}x  {x['category']:<14} {x['kind']:<32} {x['shape']}"
               for x in r["engine"]["kernels"][:top]]
+    lines.append(f"engine device kernels by name ({r['engine']['device_kernels_per_call']:.0f} launches per call), "
+                 f"slowest {top}:")
+    lines += [f"  {x['ms']:7.3f} ms  {x['launches']:6.1f}x  {x['name'][:70]}  {x['hlo_op']}"
+              for x in r["engine"]["top_kernels"][:top]]
     return "\n".join(lines)
 
 
@@ -193,17 +215,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None,
                         help="model spec or random-weights preset (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", default="float32", help="weight dtype (float32 on CPU; bfloat16 on GPU/TPU)")
+    parser.add_argument("--kernels", default="auto", choices=("auto", "xla"),
+                        help="the engine's kernel plan choice (docs/design.md, 'The kernel plan')")
+    parser.add_argument("--top-kernels", type=int, default=40, help="device kernels kept by name per program")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
     enable_compilation_cache()
-    built = build_model(args.model, dtype=args.dtype)
+    built = build_model(args.model, dtype=args.dtype, kernels=args.kernels)
     results = []
     for k in args.k:
-        results.append(trace_step(built.model, k, args.window, args.calls))
+        results.append(trace_step(built.model, k, args.window, args.calls, args.kernels, args.top_kernels))
         print(format_result(results[-1]), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"machine": machine(), "model": built.name, "dtype": args.dtype,
+        args.out.write_text(json.dumps({"command": "python -m benchmarks.step_trace " + " ".join(
+                                            argv if argv is not None else sys.argv[1:]),
+                                        "machine": machine(), "model": built.name, "dtype": args.dtype,
+                                        "kernels": args.kernels, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                                         "devices": [str(d) for d in jax.devices()], "calls": args.calls,
                                         "results": results}, indent=1) + "\n")
         print(f"wrote {args.out}")
