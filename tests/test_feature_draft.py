@@ -151,13 +151,13 @@ def test_lazy_catch_up_builds_the_draft_cache_bitwise(engine, references):
         engine.reset()
         for s in (0, 1):
             engine.prefill(s, prompts[s], SamplingParams())
-        assert engine._catch_up([0, 1]) >= 2  # the draft reads the prompts (prefill leaves it alone)
+        assert engine.catch_up([0, 1]) >= 2  # the draft reads the prompts (prefill leaves it alone)
         for _ in range(9):
             engine.step([0, 1], 0)
             if eager:
-                assert engine._catch_up([0, 1]) == 2  # one call per slot: one missed token each
+                assert engine.catch_up([0, 1]) == 2  # one call per slot: one missed token each
         if not eager:
-            assert engine._catch_up([0, 1]) == 2  # one chunk per slot: nine missed tokens each
+            assert engine.catch_up([0, 1]) == 2  # one chunk per slot: nine missed tokens each
         caches.append(jax.tree.map(np.asarray, engine.state.proposer.cache))
         lengths = engine.lengths[:2]
     assert_draft_caches_equal(*caches, lengths)

@@ -71,7 +71,7 @@ def emit_rows(engine: Engine, k: int, caps: tuple[int, ...], config: tuple[float
     pending = {engine.prefill(s, CONTEXT, params, seed=0) for s in range(slots)}  # one seed: one pending token
     assert len(pending) == 1
     # the draft's lazy catch-up (one call per slot) runs once, into the snapshot, not again in every round
-    engine._catch_up(range(slots))
+    engine.catch_up(range(slots))
     snapshot, lengths = jax.tree.map(jnp.copy, engine.state), engine.lengths.copy()
     proposer_lengths = engine.proposer_lengths.copy()
     row_caps = np.asarray(caps)[np.arange(slots) % len(caps)]

@@ -142,13 +142,13 @@ def test_fused_lazy_catch_up_builds_the_draft_cache_bitwise(engine):
         engine.reset()
         for s in (0, 1):
             engine.prefill(s, prompts[s], SamplingParams())
-        engine._catch_up([0, 1])
+        engine.catch_up([0, 1])
         for _ in range(7):
             engine.step([0, 1], 0)
             if eager:
-                engine._catch_up([0, 1])
+                engine.catch_up([0, 1])
         if not eager:
-            engine._catch_up([0, 1])
+            engine.catch_up([0, 1])
         caches.append(jax.tree.map(np.asarray, engine.state.proposer.cache))
         lengths = engine.lengths[:2]
     assert_draft_caches_equal(*caches, lengths)

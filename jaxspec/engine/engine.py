@@ -371,7 +371,7 @@ class Engine:
                 shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
             fn = self.executables.get(StepKey(b, shape.k, shape.window))  # a miss raises before any catch-up
             started = time.perf_counter()
-            catch_up_calls = self._catch_up(slots)
+            catch_up_calls = self.catch_up(slots)
             if catch_up_calls:
                 jax.block_until_ready(self.state)  # time the catch-up apart from the step
                 catch_up_s = time.perf_counter() - started
@@ -440,8 +440,8 @@ class Engine:
         return self.menu.catch_up_plan(int(self.proposer_lengths[slot]), self.length(slot),
                                        self.proposer.in_step_catch_up)
 
-    def _catch_up(self, slot_ids: Sequence[int]) -> int:
-        """Run every slot's catch-up plan; returns the number of calls."""
+    def catch_up(self, slot_ids: Sequence[int]) -> int:
+        """Run every slot's catch-up plan (what a speculating step runs first); returns the number of calls."""
         calls = 0
         for slot in slot_ids:
             for call in self.catch_up_plan(slot):

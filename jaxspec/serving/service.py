@@ -15,7 +15,8 @@ request message must then arrive within `request_timeout_s`, else the call is ca
 `max_pending_calls` calls (health excluded) wait for theirs at once, half of them per connection and
 `max_pending_calls_per_peer` once its calls have waited (`call_guard.PEER_GRACE_S`), more get
 RESOURCE_EXHAUSTED (with grpc-retry-pushback-ms); the guard checks the size (`max_message_bytes`:
-INVALID_ARGUMENT over it; gRPC's own transport limit is twice that), that a unary call sends one message, and deserialises (malformed: INVALID_ARGUMENT). No half-open call
+INVALID_ARGUMENT over it; gRPC's own transport limit is twice that), that a unary call sends one message,
+and deserialises (malformed: INVALID_ARGUMENT). No half-open call
 holds a thread for longer than the timeout; health never shares a limit or a thread with other
 calls, and its half-open calls are capped (HEALTH_WAITING, the oldest cancelled) below its threads.
 A prompt longer in bytes than any prompt that fits the context is refused before it is tokenized.
