@@ -125,7 +125,7 @@ def make_scheduler(engine, policy, overlap: bool | None):
             raise ValueError("this build's scheduler has no overlapped loop (no `overlap` option)")
         return Scheduler(engine, policy)
     if how == "config":
-        return Scheduler(engine, policy, SchedulerConfig(overlap=overlap))
+        return Scheduler(engine, policy, config=SchedulerConfig(overlap=overlap))
     return Scheduler(engine, policy, overlap=overlap)
 
 

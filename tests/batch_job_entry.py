@@ -33,13 +33,13 @@ def build(step_delay: float = 0.0) -> tuple[FakeEngine, FakeTokenizer, FixedPoli
     engine = FakeEngine(MENU, vocab_size=VOCAB, eos_token_ids=(EOS,), accept=ACCEPT)
     engine.warmup()
     if step_delay > 0:
-        step = engine.step
+        dispatch = engine.dispatch_step  # the scheduler dispatches every step through it
 
-        def slow_step(*args, **kwargs):
+        def slow_dispatch(*args, **kwargs):
             time.sleep(step_delay)
-            return step(*args, **kwargs)
+            return dispatch(*args, **kwargs)
 
-        engine.step = slow_step
+        engine.dispatch_step = slow_dispatch
     return engine, ascii_tokenizer(), FixedPolicy(3)
 
 

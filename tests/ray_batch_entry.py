@@ -23,13 +23,13 @@ from tests import batch_job_entry  # noqa: E402
 
 
 def _slowed(engine, delay: float):
-    step = engine.step
+    dispatch = engine.dispatch_step  # the scheduler dispatches every step through it
 
-    def slow_step(*args, **kwargs):
+    def slow_dispatch(*args, **kwargs):
         time.sleep(delay)
-        return step(*args, **kwargs)
+        return dispatch(*args, **kwargs)
 
-    engine.step = slow_step
+    engine.dispatch_step = slow_dispatch
     return engine
 
 

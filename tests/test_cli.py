@@ -41,7 +41,7 @@ def jaxspec(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
      "needs 16 devices"),
     (("generate", "hi", "--proposer", "ngram", "--tree", "4:9"), "1 <= depth <= nodes"),
     (("generate", "hi", "--proposer", "ngram", "--tree", "x"), "expected N or N:D"),
-    (("generate", "hi", "--tree", "4"), "--tree needs --proposer ngram or draft"),
+    (("generate", "hi", "--tree", "4"), "--tree needs --proposer ngram, draft or suffix"),
     (("generate", "hi", "--proposer", "draft", "--draft", "feature", "--tree", "4"),
      "feature draft is not implemented"),
     (("generate", "hi", "--proposer", "ngram", "--tree", "4", "--policy", "goodput-per-request"),

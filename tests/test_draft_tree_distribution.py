@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.engine import engine as engine_module
+from jaxspec.engine import step_bodies
 from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu, TreeEnvelope
 from jaxspec.models.llama import random_model
@@ -70,7 +70,7 @@ def _judged_by_the_root(logits, tokens, parents, depth, rows, max_depth):
 def test_draft_tree_steps_preserve_the_target_at_every_position(broken, rows, monkeypatch):
     biased = broken is not None
     if biased:  # the engine's step traces `verify_tree` when it compiles: swap in the broken one
-        monkeypatch.setattr(engine_module, "verify_tree", broken)
+        monkeypatch.setattr(step_bodies, "verify_tree", broken)
     target = random_model(TARGET_CONFIG, seed=3)
     engine = Engine(target, DraftModelProposer(target), MENU)
     engine.warmup(progress=False)

@@ -13,8 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxspec.dtypes import DTYPES, resolve_dtype
-from jaxspec.engine import compile_counter
-from jaxspec.engine import engine as engine_module
+from jaxspec.engine import compile_counter, step_bodies
 from jaxspec.engine.args import EngineArgs
 from jaxspec.engine.build import build_model, truncated_copy
 from jaxspec.engine.engine import Engine
@@ -168,7 +167,7 @@ def test_bfloat16_engine_verifies_float32_p_and_q(bf16_model, monkeypatch):
         seen.append((target_logits.dtype, None if proposals.draft_probs is None else proposals.draft_probs.dtype))
         return verify(target_logits, proposals, params)
 
-    monkeypatch.setattr(engine_module, "verify", recording_verify)
+    monkeypatch.setattr(step_bodies, "verify", recording_verify)
     engine = Engine(bf16_model, DraftModelProposer(truncated_copy(bf16_model, 1)), MENU)
     engine.warmup(progress=False)
     with_q = [q for _, q in seen if q is not None]

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 
-from jaxspec.engine import engine as engine_module
+from jaxspec.engine import step_bodies
 from jaxspec.engine.draft_artifacts import FeatureArch, build_feature_draft
 from jaxspec.engine.engine import Engine
 from jaxspec.menu import Menu
@@ -152,7 +152,7 @@ def judge(results: dict[str, tuple[float, int, int]], broken: bool, caught_by=la
 def test_feature_draft_steps_preserve_the_target_at_every_position(broken, rows, monkeypatch):
     biased = broken is not None
     if biased:  # the engine's step traces `verify` when it compiles: swap in the broken one
-        monkeypatch.setattr(engine_module, "verify", broken)
+        monkeypatch.setattr(step_bodies, "verify", broken)
     target, draft = _models()
     tokens, counts, caps, pending = _emit(target, draft, rows)
     if not biased:  # structure, and not vacuous: every cap has rows that accept all and rows that reject

@@ -128,8 +128,10 @@ class Engine:
         self._graphdef, self._params = serving_split(target, self._placement)
         # the proposer's layers are replicated (small); an embedding it shares with the target stays the target's
         draft_model_config = getattr(self.proposer, "config", None) or target.config
-        self.proposer_kernels = kernel_plan_for(draft_model_config, mesh, kernels, tensor_parallel=False,
-                                                max_len=menu.max_len)
+        # a proposer's head is XLA's dot (a draft's is pruned; the target's table head is for its verify logits)
+        self.proposer_kernels = dataclasses.replace(
+            kernel_plan_for(draft_model_config, mesh, kernels, tensor_parallel=False, max_len=menu.max_len),
+            lm_head="xla")
         self.proposer = self.proposer.with_kernels(self.proposer_kernels)
         self.proposer_placement = serving_placement(self.mesh, replicated_layout(target.config, mesh.model),
                                                     self.proposer_kernels)

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.kernel_plan import XLA_PLAN, KernelPlan
 from jaxspec.models.llama import Llama, rms_norm
 
 
@@ -85,8 +86,11 @@ class DraftLlama(Llama):
             h = jnp.einsum("BTD,DE->BTE", h, self.out_proj.value)
         return jnp.einsum("BTE,VE->BTV", h, self.head.value, preferred_element_type=jnp.float32)
 
-    def unembed(self, hidden: jax.Array) -> jax.Array:
-        """hidden [B, T, D] -> full-vocabulary logits [B, T, V], -inf outside the kept ids."""
+    def unembed(self, hidden: jax.Array, kernels: KernelPlan = XLA_PLAN) -> jax.Array:
+        """hidden [B, T, D] -> full-vocabulary logits [B, T, V], -inf outside the kept ids. The pruned head is its
+        own matmul: a plan with the table head (a full tied head) is an error."""
+        if kernels.table_head:
+            raise ValueError("a draft's pruned head has no table-kernel form: its plan's lm_head must be 'xla'")
         kept = self.kept_logits(hidden)
         if not self.pruned:
             return kept

@@ -64,22 +64,23 @@ def synthetic_goodput(engine: EngineAPI) -> GoodputPolicy:
 
 
 class StepGate:
-    """Holds the engine thread at the start of `engine.step` while closed (tests of timing-dependent paths)."""
+    """Holds the engine thread at the start of each step's dispatch (`engine.dispatch_step`) while closed (tests of
+    timing-dependent paths)."""
 
     def __init__(self, engine: EngineAPI):
         self._open = threading.Event()
         self._open.set()
         self.blocked = threading.Event()  # the engine thread is waiting at the gate
-        step = engine.step
+        dispatch = engine.dispatch_step
 
         def gated(*args, **kwargs):
             if not self._open.is_set():
                 self.blocked.set()
                 self._open.wait()
                 self.blocked.clear()
-            return step(*args, **kwargs)
+            return dispatch(*args, **kwargs)
 
-        engine.step = gated
+        engine.dispatch_step = gated
 
     def close(self) -> None:
         self._open.clear()

@@ -19,17 +19,17 @@ from jaxspec.engine.engine import Engine  # noqa: E402
 
 DELAY = float(os.environ["JAXSPEC_TEST_STEP_DELAY"])
 GATE = os.environ.get("JAXSPEC_TEST_STEP_GATE")
-_step = Engine.step
+_dispatch = Engine.dispatch_step  # the scheduler dispatches every step through it
 
 
-def _slow_step(self, *args, **kwargs):
+def _slow_dispatch(self, *args, **kwargs):
     time.sleep(DELAY)
     while GATE and os.path.exists(GATE):
         time.sleep(0.01)
-    return _step(self, *args, **kwargs)
+    return _dispatch(self, *args, **kwargs)
 
 
-Engine.step = _slow_step
+Engine.dispatch_step = _slow_dispatch
 
 if __name__ == "__main__":
     sys.exit(cli.main(["serve", *sys.argv[1:]]))

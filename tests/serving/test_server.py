@@ -143,13 +143,13 @@ def _idle(server) -> bool:
 
 def test_cancel_and_disconnect_mid_stream_free_every_slot(served, monkeypatch):
     server, client, _, references = served
-    step = server.engine.step
+    dispatch = server.engine.dispatch_step
 
-    def slow_step(*args, **kwargs):  # streams outlast their cancellation (a fake step takes microseconds)
+    def slow_dispatch(*args, **kwargs):  # streams outlast their cancellation (a fake step takes microseconds)
         time.sleep(0.01)
-        return step(*args, **kwargs)
+        return dispatch(*args, **kwargs)
 
-    monkeypatch.setattr(server.engine, "step", slow_step)
+    monkeypatch.setattr(server.engine, "dispatch_step", slow_dispatch)
     before = server.metrics.requests.labels("Generate", "CANCELLED")._value.get()
     long = dict(prompt="cancel me", max_tokens=LIMIT, ignore_eos=True)
     for _round in range(3):
