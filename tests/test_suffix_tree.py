@@ -40,6 +40,28 @@ def test_trie_counts_every_substring_up_to_depth_incrementally():
     assert trie.nodes == len(_substring_counts(seqs, 5)) + 1
 
 
+def test_match_is_the_longest_continued_suffix():
+    """`match` (a binary search over the suffix length) against every length tried from the longest down, on
+    random contexts over a small alphabet, after some sequences were removed too."""
+    rng = np.random.default_rng(7)
+    trie = SuffixTrie(depth=6)
+    for i in range(5):
+        trie.extend(i, list(rng.integers(0, 3, size=int(rng.integers(5, 30)))))
+    trie.remove(1)
+    substrings = _shape(trie)
+    for _ in range(300):
+        context = list(rng.integers(0, 3, size=int(rng.integers(0, 12))))
+        expected = 0
+        for length in range(min(len(context), 5), 0, -1):
+            suffix = tuple(context[len(context) - length:])
+            if suffix in substrings and any(path[:-1] == suffix for path in substrings if len(path) == length + 1):
+                expected = length
+                break
+        node, length = trie.match(context)
+        assert length == expected, context
+        assert (node is None) == (expected == 0)
+
+
 def test_removal_leaves_the_trie_of_the_remaining_sequences():
     rng = np.random.default_rng(1)
     seqs = {i: list(rng.integers(0, 3, size=25)) for i in range(4)}

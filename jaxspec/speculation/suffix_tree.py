@@ -128,16 +128,27 @@ class SuffixTrie:
 
     def match(self, context: Sequence[int]) -> tuple[_Node | None, int]:
         """The node of the longest suffix of `context` (shorter than `depth`) that has a continuation, and its
-        length; (None, 0) if none has."""
-        for length in range(min(len(context), self.depth - 1), 0, -1):
-            node = self.root
-            for token in context[len(context) - length:]:
-                node = node.children.get(int(token))
-                if node is None:
-                    break
-            if node is not None and node.children:
-                return node, length
-        return None, 0
+        length; (None, 0) if none has. The trie holds every substring of what it holds, so if a suffix is
+        continued every shorter one is too: a binary search over the length finds the longest, O(depth log depth)."""
+        found: tuple[_Node | None, int] = (None, 0)
+        low, high = 1, min(len(context), self.depth - 1)
+        while low <= high:
+            length = (low + high) // 2
+            node = self._continued(context, length)
+            if node is None:
+                high = length - 1
+            else:
+                found, low = (node, length), length + 1
+        return found
+
+    def _continued(self, context: Sequence[int], length: int) -> _Node | None:
+        """The node of the last `length` tokens of `context` if the trie holds them with a continuation."""
+        node = self.root
+        for token in context[len(context) - length:]:
+            node = node.children.get(int(token))
+            if node is None:
+                return None
+        return node if node.children else None
 
     def propose(self, context: Sequence[int], max_tokens: int, min_prob: float) -> SuffixProposal:
         """The most frequent continuation of the context's longest continued suffix, up to `max_tokens` tokens,
