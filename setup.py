@@ -54,6 +54,7 @@ setup(
     ext_modules=[Extension(
         f"jaxspec.models._{name}",
         sources=[f"jaxspec/models/csrc/{name}.cc"],
+        depends=["jaxspec/models/csrc/target_clones.h"],
         language="c++",
         extra_compile_args=COMPILE_ARGS,
         optional=True,

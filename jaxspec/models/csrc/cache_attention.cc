@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "target_clones.h"
 
 namespace ffi = xla::ffi;
 
@@ -284,20 +285,7 @@ static inline __attribute__((always_inline)) void MergeBody(const Query& query, 
 }
 
 // The entry points: the head dims of the supported models unrolled, any other (a multiple of 8) at run
-// time. On x86-64 each is compiled three times (AVX-512, AVX2 + FMA, baseline), the variant picked at load time;
-// elsewhere (aarch64 hosts, compilers or C libraries without them) once, for the compiler's
-// default target.
-// The variants need function multiversioning (an ifunc: ELF, glibc) and a compiler that has it; setup.py builds
-// again with JAXSPEC_NO_TARGET_CLONES where a compile with them fails.
-#if defined(__x86_64__) && defined(__ELF__) && defined(__GLIBC__) && defined(__has_attribute) && \
-    !defined(JAXSPEC_NO_TARGET_CLONES)
-#if __has_attribute(target_clones)
-#define JAXSPEC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-#endif
-#ifndef JAXSPEC_CLONES
-#define JAXSPEC_CLONES
-#endif
+// time; each is JAXSPEC_CLONES (per-CPU variants where the platform has them: target_clones.h).
 #define JAXSPEC_ATTEND_ARGS \
   const Query *queries, int64_t count, int64_t c, int64_t stride, int64_t h, float scale, float *scores
 #define JAXSPEC_ATTEND_CALL queries, count, c, stride, h, scale, scores

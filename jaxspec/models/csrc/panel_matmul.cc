@@ -36,6 +36,7 @@
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
+#include "target_clones.h"
 
 namespace ffi = xla::ffi;
 
@@ -132,20 +133,7 @@ static inline __attribute__((always_inline)) void TableRowsBody(const float* x, 
   }
 }
 
-// On x86-64 each row count is compiled three times (AVX-512, AVX2 + FMA, baseline), the variant picked at
-// load time; elsewhere (aarch64 hosts, compilers or C libraries without them) once, for the compiler's
-// default target.
-// The variants need function multiversioning (an ifunc: ELF, glibc) and a compiler that has it; setup.py builds
-// again with JAXSPEC_NO_TARGET_CLONES where a compile with them fails.
-#if defined(__x86_64__) && defined(__ELF__) && defined(__GLIBC__) && defined(__has_attribute) && \
-    !defined(JAXSPEC_NO_TARGET_CLONES)
-#if __has_attribute(target_clones)
-#define JAXSPEC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
-#endif
-#ifndef JAXSPEC_CLONES
-#define JAXSPEC_CLONES
-#endif
+// Each row count's kernel is JAXSPEC_CLONES (per-CPU variants where the platform has them: target_clones.h).
 #define JAXSPEC_PANEL_ARGS const float *x, int64_t k_len, const float *panel, float *y, int64_t n_len, int64_t columns
 #define JAXSPEC_PANEL_CALL x, k_len, panel, y, n_len, columns
 JAXSPEC_CLONES void PanelRows1(JAXSPEC_PANEL_ARGS) { PanelRowsBody<1>(JAXSPEC_PANEL_CALL); }
