@@ -107,7 +107,6 @@ class Engine:
         self.eos_token_ids = tuple(target.config.eos_token_ids)
         draft_config = getattr(self.proposer, "config", None)  # a draft model's
         self.proposer_name = self.proposer.name if draft_config is None else f"{self.proposer.name}:{draft_config.name}"
-        draft_config = getattr(self.proposer, "config", None)
         if draft_config is not None and draft_config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft vocabulary ({draft_config.vocab_size}) differs from the target's "
@@ -126,11 +125,10 @@ class Engine:
         self._cache_config = target.config.replace(num_kv_heads=layout.kv_heads_for(target.config))
         # per-layer weight arrays (unrolled layers, no per-step slice copies), stored once
         self._graphdef, self._params = serving_split(target, self._placement)
-        # the proposer's layers are replicated (small); an embedding it shares with the target stays the target's
-        draft_model_config = getattr(self.proposer, "config", None) or target.config
-        # a proposer's head is XLA's dot (a draft's is pruned; the target's table head is for its verify logits)
+        # the proposer's layers are replicated (small); an embedding it shares with the target stays the target's;
+        # its head is XLA's dot (a draft's is pruned; the table head is for the target's verify logits)
         self.proposer_kernels = dataclasses.replace(
-            kernel_plan_for(draft_model_config, mesh, kernels, tensor_parallel=False, max_len=menu.max_len),
+            kernel_plan_for(draft_config or target.config, mesh, kernels, tensor_parallel=False, max_len=menu.max_len),
             lm_head="xla")
         self.proposer = self.proposer.with_kernels(self.proposer_kernels)
         self.proposer_placement = serving_placement(self.mesh, replicated_layout(target.config, mesh.model),
