@@ -163,8 +163,11 @@ def smallest_at_least(buckets: Iterable[int], needed: int, what: str) -> int:
 class Menu:
     """The static shape menu and cache size (a named entry of jaxspec/configs/engine.yaml).
 
-    num_slots:       requests the cache holds at once (S).
-    max_len:         cache positions per slot (M); the largest window.
+    num_slots:       rows a step can hold, and requests admitted at once at most (S).
+    max_len:         positions one request may use (M); the largest window.
+    page_size:       positions per page of the target's paged KV cache (X); every window is a multiple of it.
+    num_pages:       pages in the target's pool (I, the cache's memory; page 0 is scratch); None: as many as
+                     S + 1 slots of max_len positions take (`pool_pages`).
     batch_buckets:   padded batch sizes B a step can run at.
     k_menu:          speculation lengths a step can run at (0 = plain decoding).
     window_buckets:  attention windows W (the last is max_len).
@@ -179,6 +182,8 @@ class Menu:
     window_buckets: tuple[int, ...] = (256, 1024)
     prefill_buckets: tuple[int, ...] = (32, 128)
     tree_envelopes: tuple[TreeEnvelope, ...] = ()
+    page_size: int = 16
+    num_pages: int | None = None
 
     def __post_init__(self):
         for name in ("batch_buckets", "k_menu", "window_buckets", "prefill_buckets"):
@@ -193,6 +198,11 @@ class Menu:
         if self.window_buckets[-1] != self.max_len:
             raise ValueError(f"the largest window bucket must equal max_len={self.max_len}, "
                              f"got {self.window_buckets}")
+        if self.page_size < 1 or any(w % self.page_size for w in self.window_buckets):
+            raise ValueError(f"every window bucket must be a multiple of the page size {self.page_size}, got "
+                             f"{self.window_buckets}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
         if self.k_menu[0] < 0:
             raise ValueError("k_menu values must be >= 0")
         if self.prefill_buckets[0] < 1 or self.prefill_buckets[-1] > self.max_len:
@@ -223,6 +233,17 @@ class Menu:
     def tree_at(self, k: int) -> TreeEnvelope | None:
         """The tree envelope that runs at k, or None for a chain."""
         return next((t for t in self.tree_envelopes if t.nodes == k), None)
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages in the target's pool (page 0, scratch, included)."""
+        if self.num_pages is not None:
+            return self.num_pages
+        return (self.num_slots + 1) * self.max_len // self.page_size
+
+    def pages_for(self, positions: int) -> int:
+        """Pages that hold `positions` positions."""
+        return -(-positions // self.page_size)
 
     @property
     def max_k(self) -> int:

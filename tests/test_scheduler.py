@@ -325,11 +325,11 @@ def test_prefill_that_loses_the_state_resets_the_engine():
     engine = fake()
     real = engine.prefill_chunk
 
-    def prefill_chunk(slot, tokens, start, is_last, *a):
+    def prefill_chunk(slot, tokens, start, is_last, *a, **kw):
         if slot == 1 and start == CHUNK:  # the second chunk of the second request
             engine.lost = True
             raise RuntimeError("injected prefill failure")
-        return real(slot, tokens, start, is_last, *a)
+        return real(slot, tokens, start, is_last, *a, **kw)
 
     engine.prefill_chunk = prefill_chunk
     sched = Scheduler(engine, config=SchedulerConfig(prefill_token_budget=CHUNK))
@@ -532,9 +532,9 @@ def test_seeds_of_sampled_requests():
     seeds = {}
     real = engine.prefill_chunk
 
-    def prefill_chunk(slot, tokens, start, is_last, params, seed):
+    def prefill_chunk(slot, tokens, start, is_last, params, seed, **kw):
         seeds[slot] = seed
-        return real(slot, tokens, start, is_last, params, seed)
+        return real(slot, tokens, start, is_last, params, seed, **kw)
 
     engine.prefill_chunk = prefill_chunk
     sched = Scheduler(engine, seed_source=lambda: 1234)

@@ -12,8 +12,13 @@ split: `dispatch_step` starts it and returns a `PendingStep` whose `result()` re
 dispatch the next step before it reads this one (docs/design.md, "The overlapped loop"); while steps are in
 flight `length` is an upper bound (jaxspec.engine.pending).
 
+The target's KV cache is paged (docs/design.md, "Paged KV cache"): `admit` gives a slot its prompt's pages
+(sharing a cached prefix) or says the pool cannot hold it now; a step takes the pages it may write and raises
+`PagesExhaustedError`, taking nothing, when the pool has too few (the driver preempts a request and retries).
+
 Shape keys (`StepKey`, `PrefillKey`, `CatchUpKey`) and the errors a driver must handle
-(`MenuMissError`, `CapacityError`) live in `jaxspec.menu` and are re-exported here.
+(`MenuMissError`, `CapacityError`, `PagesExhaustedError`) live in `jaxspec.menu` and `jaxspec.engine.pages`
+and are re-exported here.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from jaxspec.engine.pages import PagesExhaustedError, PageStats
 from jaxspec.engine.pending import PendingStep
 from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, MenuMissError, PrefillKey, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec
@@ -65,11 +71,22 @@ class EngineAPI(Protocol):
     def shape_keys(self) -> list[ShapeKey]:
         """Every shape the menu holds."""
 
+    def admit(self, slot: int, prompt: Sequence[int]) -> int | None:
+        """Empty `slot` and give it the pages of `prompt` (and its first generated position), sharing the longest
+        cached prefix of full pages. Returns the prompt tokens served from the cache (prefill starts there), or
+        None when the pool cannot hold the prompt now."""
+
+    def page_stats(self) -> PageStats:
+        """The target's page pool: pages in use, cached for reuse, free."""
+
     def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, is_last: bool,
-                      params: SamplingParams, seed: int) -> int | None:
-        """Write prompt tokens at positions start.. of `slot`; on the last chunk return the first
-        generated token (else None). Returns once the chunk has run. A context-tracking draft does
-        not see the prompt here: it is in the slot's `catch_up_plan`. Raises CapacityError past max_len."""
+                      params: SamplingParams, seed: int, generated: int = 0) -> int | None:
+        """Write prompt tokens at positions start.. of `slot` (a chunk at 0 starts a new prompt; after `admit`,
+        prefill starts at its cached count); on the last chunk return the next token, the request's token
+        number `generated` (0 for a new request; a preempted request's prompt holds what it had generated), else
+        None. Returns once the chunk has run. A context-tracking draft does not see the prompt here: it is in the
+        slot's `catch_up_plan`. Raises CapacityError past max_len, PagesExhaustedError without admission when the
+        pool is full."""
 
     def first_token_logprobs(self, slot: int) -> TokenLogprobs:
         """The log-probabilities of the token the slot's last prefill drew (logprobs > 0; else ValueError)."""
@@ -81,7 +98,8 @@ class EngineAPI(Protocol):
     def dispatch_step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None) -> PendingStep:
         """`step` split in two: start the step and return at once; `result()` of what it returns waits for
         it. The step's shape is chosen from each row's `length` (an upper bound while steps are in flight);
-        a slot freed before the step is read keeps nothing of it. Raises as `step` does."""
+        a slot freed before the step is read keeps nothing of it. Raises as `step` does, and
+        PagesExhaustedError (nothing started) when the pool has too few pages for what the rows may write."""
 
     def length(self, slot: int) -> int:
         """Committed tokens of `slot`; with steps in flight (dispatched, not read), an upper bound: the
@@ -97,7 +115,7 @@ class EngineAPI(Protocol):
         """True when a failed call consumed the device state; `reset()` is then required."""
 
     def free(self, slot: int) -> None:
-        """Forget a slot's contents."""
+        """Forget a slot's contents and give back its pages (its cached prefix pages stay cached)."""
 
     def reset(self) -> None:
         """Empty every slot with fresh state (kept: whatever was compiled)."""
@@ -114,5 +132,5 @@ def prefill_prompt(engine: EngineAPI, slot: int, prompt: Sequence[int], params: 
     return first
 
 
-__all__ = ["CapacityError", "CatchUpCall", "CatchUpKey", "EngineAPI", "Menu", "MenuMissError", "PendingStep",
-           "PrefillKey", "ShapeKey", "StepKey", "prefill_prompt"]
+__all__ = ["CapacityError", "CatchUpCall", "CatchUpKey", "EngineAPI", "Menu", "MenuMissError", "PageStats",
+           "PagesExhaustedError", "PendingStep", "PrefillKey", "ShapeKey", "StepKey", "prefill_prompt"]

@@ -34,12 +34,13 @@ import numpy as np
 from jaxspec.engine.api import prefill_prompt
 from jaxspec.engine.executables import CompiledMenu
 from jaxspec.engine.kernels import kernel_plan_for
+from jaxspec.engine.pages import PagePool, PageStats
 from jaxspec.engine.pending import SlotMirror
 from jaxspec.engine.step_bodies import PrefillInputs, StepBodies
 from jaxspec.menu import CapacityError, CatchUpCall, CatchUpKey, Menu, PrefillKey, ShapeKey, StepKey, TreeEnvelope
 from jaxspec.mesh import MeshSpec, make_mesh
 from jaxspec.models.kernel_plan import KernelChoice
-from jaxspec.models.kv_cache import init_cache
+from jaxspec.models.kv_cache import init_paged_cache
 from jaxspec.models.llama import Llama, serving_split
 from jaxspec.models.sharding import cache_spec, padded_slots, plan_layout, replicated_layout, serving_placement
 from jaxspec.speculation.proposers.base import NoProposer, Proposer
@@ -84,10 +85,13 @@ class Engine:
     logprobs: 0, or N in [1, MAX_LOGPROBS]: every step and last prefill chunk also return the emitted tokens'
     log-probabilities under the target and their top N alternatives (StepResult.logprobs,
     `first_token_logprobs`); static, so the default engine compiles the same executables as without it.
+    prefix_cache: share the cached pages of prompt prefixes between requests (jaxspec.engine.pages); a feature
+    draft turns it off (it reads the target's features of every prompt position, which a shared prefix skips).
     """
 
     def __init__(self, target: Llama, proposer: Proposer | None = None, menu: Menu = Menu(),
-                 mesh: MeshSpec = MeshSpec(), kernels: KernelChoice = "auto", logprobs: int = 0):
+                 mesh: MeshSpec = MeshSpec(), kernels: KernelChoice = "auto", logprobs: int = 0,
+                 prefix_cache: bool = True):
         if not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         self.logprobs = logprobs
@@ -138,6 +142,12 @@ class Engine:
         self.suffix_index = getattr(self.proposer, "index", None) if self.proposer.host_proposals else None
         self.bodies = StepBodies(self._graphdef, self.proposer, menu, self.kernels, logprobs)
         self._first_logprobs: dict[int, TokenLogprobs] = {}  # slot -> its first token's (logprobs > 0)
+        # the paged KV cache's host side (docs/design.md, "Paged KV cache"): who holds which page, the prefix cache
+        self.prefix_cache_note = ("prefix caching is off: the feature draft reads the target's features of every "
+                                  "prompt position" if prefix_cache and self.proposer.feature_layers else None)
+        self.pages = PagePool(menu.pool_pages, menu.page_size, menu.num_slots, menu.max_len,
+                              prefix_cache=prefix_cache and not self.proposer.feature_layers,
+                              scope=f"{self.model_name}/{self.dtype}/{self.proposer_name}")
         self.executables = CompiledMenu(menu, self._lower)
         # host mirror of committed lengths, with an upper bound for steps in flight (jaxspec.engine.pending)
         self._mirror = SlotMirror(menu.num_slots)
@@ -157,8 +167,9 @@ class Engine:
         c = self.menu
         s1 = c.num_slots + 1
         slot_rows = padded_slots(c.num_slots, self.mesh_spec.data)  # S' cache rows: S + scratch, padded to `data`
+        pool_rows = padded_slots(c.pool_pages - 1, self.mesh_spec.data)  # I' pages, padded to `data`
         return DecodeState(
-            cache=init_cache(self._cache_config, slot_rows - 1, c.max_len),
+            cache=init_paged_cache(self._cache_config, pool_rows, c.page_size, slot_rows - 1),
             pending=jnp.zeros((s1,), jnp.int32),
             history=jnp.zeros((s1, c.max_len), jnp.int32),
             n_generated=jnp.zeros((s1,), jnp.int32),
@@ -168,8 +179,9 @@ class Engine:
         )
 
     def _state_sharding(self, path: tuple, leaf) -> jax.sharding.NamedSharding:
-        """KV cache buffers (the `k` / `v` fields of a KVCache, [S', M, G, H]): slots over `data`, and the
-        target's kv heads over `model` (the proposer's cache is replicated over `model`); the rest replicated."""
+        """KV cache buffers (the `k` / `v` fields of a cache: the target's pages [I', X, G, H], a draft's slots
+        [S', M, G, H]): pages or slots over `data`, and the target's kv heads over `model` (the proposer's cache is
+        replicated over `model`); the rest replicated."""
         names = [getattr(entry, "name", None) for entry in path]
         if not ({"k", "v"} & set(names)):
             return self._replicated
@@ -206,9 +218,10 @@ class Engine:
         if isinstance(key, StepKey):
             host = (rep,) if self.proposer.host_proposals else ()  # host proposals: one more input
             fn = jax.jit(self.bodies.step(key.k, key.window), donate_argnums=(2,),
-                         in_shardings=(params, proposer_params, state, rep, rep, *host),
+                         in_shardings=(params, proposer_params, state, rep, rep, rep, *host),
                          out_shardings=self._outputs(state))
             return fn.lower(self._params, self._proposer_params, self.state, i32(key.batch), i32(key.batch),
+                            i32(key.batch, self.menu.pages_for(key.window)),
                             *self._host_inputs(key.batch, key.k, spec=True))
         if isinstance(key, CatchUpKey):
             fn = jax.jit(self.bodies.catch_up(key.chunk, key.window), donate_argnums=(1,),
@@ -217,7 +230,8 @@ class Engine:
         if isinstance(key, PrefillKey):
             fn = jax.jit(self.bodies.prefill(key.chunk, key.window), donate_argnums=(2,),
                          in_shardings=(params, proposer_params, state, rep), out_shardings=self._outputs(state))
-            return fn.lower(self._params, self._proposer_params, self.state, PrefillInputs.spec(key.chunk))
+            return fn.lower(self._params, self._proposer_params, self.state,
+                            PrefillInputs.spec(key.chunk, self.menu.pages_for(key.window), self.menu.max_len))
         raise TypeError(f"not a shape key: {key!r}")
 
     def _outputs(self, state) -> tuple:
@@ -235,17 +249,18 @@ class Engine:
         serving, it lands in a request's latency and in the cost model's evidence for that shape."""
         fn, scratch = self.executables.get(key), np.full((1,), self.scratch_slot, np.int32)
         zero = np.zeros((1,), np.int32)
-        if isinstance(key, StepKey):  # padding rows: the scratch slot, proposing nothing
+        if isinstance(key, StepKey):  # padding rows: the scratch slot (and page), proposing nothing
             rows = np.full((key.batch,), self.scratch_slot, np.int32)
             self.state = fn(self._params, self._proposer_params, self.state, rows, np.zeros_like(rows),
-                            *self._host_inputs(key.batch, key.k))[0]
+                            self.pages.block_table(rows, key.window), *self._host_inputs(key.batch, key.k))[0]
         elif isinstance(key, CatchUpKey):
             self.state = fn(self._proposer_params, self.state, scratch, zero, zero)
         else:  # PrefillKey: one token at position 0 of the scratch slot, not the prompt's last chunk
             chunk_in = PrefillInputs(slot=scratch, tokens=np.zeros((1, key.chunk), np.int32), start=zero,
                                      n_valid=np.ones((1,), np.int32), is_last=np.bool_(False),
                                      temperature=np.zeros((1,), np.float32), top_p=np.ones((1,), np.float32),
-                                     top_k=zero, seed=zero)
+                                     top_k=zero, seed=zero, block_table=self.pages.block_table(scratch, key.window),
+                                     prefix=np.zeros((1, self.menu.max_len), np.int32), n_prefix=zero, generated=zero)
             self.state = fn(self._params, self._proposer_params, self.state, chunk_in)[0]
         jax.block_until_ready(self.state)
 
@@ -257,8 +272,11 @@ class Engine:
         """Run the compiled step `key` on slot ids [B] with caps [B] (padding rows: the scratch slot) and nothing
         else: no catch-up, no host mirrors. Returns the packed result [B, k+4] on the device, not copied (for
         benchmarks that time the executable alone: jaxspec.bench.floor, benchmarks/host_overhead.py)."""
-        self.state, packed = self.executables.get(key)(self._params, self._proposer_params, self.state,
-                                                      np.asarray(slot_ids, np.int32), np.asarray(caps, np.int32),
+        slot_ids, caps = np.asarray(slot_ids, np.int32), np.asarray(caps, np.int32)
+        real = slot_ids != self.scratch_slot
+        self.pages.grow(slot_ids[real], self._mirror.bound(slot_ids[real]) + caps[real] + 1)
+        self.state, packed = self.executables.get(key)(self._params, self._proposer_params, self.state, slot_ids,
+                                                      caps, self.pages.block_table(slot_ids, key.window),
                                                       *self._host_inputs(key.batch, key.k))[:2]
         return packed
 
@@ -287,31 +305,52 @@ class Engine:
     def set_length(self, slot: int, length: int) -> None:
         """Set a slot's committed length on the device and in the host mirror (positions past it are ignored
         and overwritten): a benchmark holds a slot at one context this way."""
+        self.pages.grow([slot], [length])
         lengths = self.state.cache.lengths.at[slot].set(length)  # [S'+1]
         self.state = dataclasses.replace(self.state, cache=dataclasses.replace(self.state.cache, lengths=lengths))
         self.lengths[slot] = length
 
     # --- the contract ----------------------------------------------------------------
 
+    def admit(self, slot: int, prompt: Sequence[int]) -> int | None:
+        """Give `slot` (emptied first) the pages of `prompt`, sharing its cached prefix (jaxspec.engine.pages).
+        Returns the prompt tokens served from the prefix cache (prefill starts there), or None when the pool cannot
+        hold the prompt now."""
+        self.free(slot)
+        return self.pages.admit(slot, prompt)
+
+    def page_stats(self) -> PageStats:
+        """The target's pool: pages in use, cached for reuse, free."""
+        return self.pages.stats()
+
     def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, is_last: bool,
-                      params: SamplingParams, seed: int) -> int | None:
+                      params: SamplingParams, seed: int, generated: int = 0) -> int | None:
         """Prefill `tokens` of a prompt into `slot` at positions start..; on the last chunk
-        returns the first generated token (else None). Returns once the chunk has run."""
+        returns the request's next token (else None): its token number `generated` (0, or what a preempted
+        request had generated before its prompt was recomputed). Returns once the chunk has run. A chunk at
+        0 starts a new prompt; a chunk at `admit`'s cached count continues the shared prefix."""
         n = len(tokens)
         if start + n > self.menu.max_len:
             raise CapacityError(f"prompt of {start + n} tokens exceeds max_len {self.menu.max_len}")
         key = self.menu.prefill_key(start, n)
+        prefix = np.zeros((1, self.menu.max_len), np.int32)  # [1, M]: a shared prefix's tokens, for the history
+        cached = self.pages.cached_prefix(slot) if start > 0 else ()
+        prefix[0, :len(cached)] = cached
+        self.pages.write_prompt(slot, tokens, start)
         padded = np.zeros((1, key.chunk), np.int32)  # [1, C]
         padded[0, :n] = tokens
         chunk_in = PrefillInputs(
             slot=np.array([slot], np.int32), tokens=padded, start=np.array([start], np.int32),
             n_valid=np.array([n], np.int32), is_last=np.bool_(is_last),
             temperature=np.array([params.temperature], np.float32), top_p=np.array([params.top_p], np.float32),
-            top_k=np.array([params.top_k], np.int32), seed=np.array([seed], np.int32))
+            top_k=np.array([params.top_k], np.int32), seed=np.array([seed], np.int32),
+            block_table=self.pages.block_table([slot], key.window), prefix=prefix,
+            n_prefix=np.array([len(cached)], np.int32), generated=np.array([generated], np.int32))
         self.state, first, *logprobs = self.executables.get(key)(self._params, self._proposer_params, self.state,
                                                                  chunk_in)
+        self.pages.publish(slot)
         self.lengths[slot] = start + n
-        if start == 0:  # a new prompt: the draft has seen none of it (it catches up before speculating)
+        if start == 0 or cached:  # a new prompt: the draft has seen none of it (it catches up before speculating)
             self.proposer_lengths[slot] = 0
         if not is_last:
             # a chunk is done when this returns, like the last one (whose token is read back): left in
@@ -388,11 +427,14 @@ class Engine:
                 shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
                 fn = self.executables.get(StepKey(b, shape.k, shape.window))
             host = host_proposals(shape.k, self.menu.tree_at(shape.k))
+        # the pages the step may write: each row's k + 1 positions past its bound (raises before anything runs)
+        self.pages.grow(slots, self._mirror.bound(slots) + np.asarray(shape.caps, np.int64) + 1)
         caps = np.zeros((b,), np.int32)  # [B] padding rows (scratch slot) propose nothing
         caps[:n] = shape.caps
         padded = np.full((b,), self.scratch_slot, np.int32)  # [B]
         padded[:n] = slots
         self.state, packed, *logprobs = fn(self._params, self._proposer_params, self.state, padded, caps,
+                                           self.pages.block_table(padded, shape.window),
                                            *self._host_inputs(b, shape.k, host))
         epochs = self._mirror.dispatched(slots, shape.caps)
         step = DispatchedStep(self, slots, epochs, np.asarray(shape.caps, np.int64), shape.k, packed,
@@ -469,6 +511,7 @@ class Engine:
         self.state = self._init_state()
         self._in_flight.clear()  # their results can still be read; they no longer touch any slot
         self._mirror.reset()
+        self.pages.reset()  # the fresh pool holds no prefix
         self.proposer_lengths[:] = 0
         self._first_logprobs.clear()
 
@@ -476,6 +519,7 @@ class Engine:
         """Forget a slot's contents (the next prefill overwrites it). A step in flight that holds the slot
         still runs; reading it leaves the slot alone."""
         self._mirror.free(slot)
+        self.pages.release(slot)  # a step in flight that wrote its pages ran before any later call that reuses them
         self.proposer_lengths[slot] = 0
         self._first_logprobs.pop(slot, None)
 

@@ -9,7 +9,8 @@ a row verifying c proposals commits min(accept, c) + 1 tokens: the output is the
 With `logprobs` N > 0 every emitted token t comes with hand-checkable log-probabilities: alternative j
 (0 = t itself) is (t + j) mod V with log-probability -(j + 1) / 4 (`fake_logprobs`).
 
-Everything else is the real engine's contract: the same menu arithmetic (`jaxspec.menu.Menu`),
+Everything else is the real engine's contract: the same menu arithmetic (`jaxspec.menu.Menu`), the same page
+pool (`jaxspec.engine.pages`: admission, prefix caching, PagesExhaustedError when a step cannot get its pages),
 MenuMissError for a shape that was not warmed up, CapacityError past max_len, lazy draft catch-up
 plans when `tracks_context`, free/reset, split steps (`dispatch_step`: the arithmetic runs at dispatch, the
 host-visible lengths move when the step is read, as the real engine's mirror does). `calls` records every
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxspec.engine.pages import PagePool, PageStats
 from jaxspec.engine.pending import SlotMirror
 from jaxspec.menu import CapacityError, CatchUpCall, Menu, MenuMissError, ShapeKey, StepKey
 from jaxspec.mesh import MeshSpec
@@ -46,12 +48,13 @@ class FakeEngine:
     tracks_context:   the proposer keeps per-slot context (a draft model): plans lazy catch-up.
     in_step_catch_up: tokens a speculating step feeds the proposer itself (as a draft's propose).
     logprobs:         0, or N: steps and prefills return log-probabilities with N alternatives (`fake_logprobs`).
+    prefix_cache:     the page pool shares cached prompt prefixes.
     """
 
     def __init__(self, menu: Menu, *, vocab_size: int = 64, eos_token_ids: Sequence[int] = (),
                  accept: int | Callable[[int], int] = 0, model_name: str = "fake", proposer_name: str = "fake",
                  dtype: str = "float32", tracks_context: bool = False, in_step_catch_up: int = 2,
-                 logprobs: int = 0):
+                 logprobs: int = 0, prefix_cache: bool = True):
         self.menu = menu
         self.model_name = model_name
         self.vocab_size = vocab_size
@@ -67,6 +70,8 @@ class FakeEngine:
         self.compiled: set[ShapeKey] = set()
         self.calls: list[FakeCall] = []
         self.lost = False  # a test sets it to simulate a failed call that consumed the device state
+        self.pages = PagePool(menu.pool_pages, menu.page_size, menu.num_slots, menu.max_len,
+                              prefix_cache=prefix_cache, scope=f"{model_name}/{dtype}/{proposer_name}")
         self.reset()
 
     # --- the contract -------------------------------------------------------------------
@@ -83,16 +88,30 @@ class FakeEngine:
         self.compiled.update(new)
         return len(new)
 
+    def admit(self, slot: int, prompt: Sequence[int]) -> int | None:
+        self.free(slot)
+        cached = self.pages.admit(slot, prompt)
+        if cached:  # the shared prefix is in the "cache"
+            self._history[slot] = [int(t) for t in prompt[:cached]]
+            self._lengths[slot] = self._mirror.lengths[slot] = cached
+        return cached
+
+    def page_stats(self) -> PageStats:
+        return self.pages.stats()
+
     def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, is_last: bool,
-                      params: SamplingParams, seed: int) -> int | None:
+                      params: SamplingParams, seed: int, generated: int = 0) -> int | None:
         n = len(tokens)
         if start + n > self.menu.max_len:
             raise CapacityError(f"prompt of {start + n} tokens exceeds max_len {self.menu.max_len}")
         key = self._ready(self.menu.prefill_key(start, n))
+        cached = self.pages.cached_prefix(slot) if start > 0 else []
+        self.pages.write_prompt(slot, tokens, start)
         self.calls.append(FakeCall("prefill", key, (slot,)))
         self._history[slot][start:] = [int(t) for t in tokens]
+        self.pages.publish(slot)
         self._lengths[slot] = self._mirror.lengths[slot] = start + n
-        if start == 0:  # the draft sees the prompt lazily, in the first speculating step's catch-up
+        if start == 0 or cached:  # the draft sees the prompt lazily, in the first speculating step's catch-up
             self._seen[slot] = 0
         if not is_last:
             return None
@@ -118,6 +137,7 @@ class FakeEngine:
                     self.calls.append(FakeCall("catch_up", self._ready(call.key), (slot,)))
                     self._seen[slot] = call.start + call.n
                     catch_up += 1
+        self.pages.grow(slots, self._mirror.bound(slots) + np.asarray(shape.caps, np.int64) + 1)
         self.calls.append(FakeCall("step", key, tuple(slots)))
         tokens = np.zeros((len(slots), key.k + 1), np.int64)  # [B, k+1]
         counts = np.zeros(len(slots), np.int64)  # [B]
@@ -163,6 +183,7 @@ class FakeEngine:
         self._lengths[slot] = self._seen[slot] = 0
         self._history[slot] = []
         self._mirror.free(slot)
+        self.pages.release(slot)
 
     def reset(self) -> None:
         slots = self.menu.num_slots
@@ -172,6 +193,7 @@ class FakeEngine:
         self._history: list[list[int]] = [[] for _ in range(slots)]
         self._mirror = SlotMirror(slots)  # what the host has read (lengths) and the bound of what it has not
         self._in_flight: list[FakeStep] = []
+        self.pages.reset()
         self.lost = False
 
     def read_through(self, step: FakeStep) -> None:

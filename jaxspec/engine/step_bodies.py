@@ -36,7 +36,11 @@ class PrefillInputs:
 
     slot, start, n_valid: [1] int32 (cache slot, first position, real tokens in the chunk);
     tokens: [1, C] int32 (padded past n_valid); is_last: [] bool (the prompt's last chunk: draw
-    the first token); temperature, top_p: [1] float32; top_k, seed: [1] int32.
+    the first token); temperature, top_p: [1] float32; top_k, seed: [1] int32;
+    block_table: [1, ceil(W/X)] int32 (the slot's pages);
+    prefix: [1, M] int32, n_prefix: [1] int32 (prompt tokens before `start` served from the prefix cache: written
+    to the history, 0 when none); generated: [1] int32 (tokens the request generated before: a preempted
+    request's prompt holds them, and its next token draws as the plain decode would have).
     """
 
     slot: jax.Array
@@ -48,15 +52,20 @@ class PrefillInputs:
     top_p: jax.Array
     top_k: jax.Array
     seed: jax.Array
+    block_table: jax.Array
+    prefix: jax.Array
+    n_prefix: jax.Array
+    generated: jax.Array
 
     @classmethod
-    def spec(cls, chunk: int) -> PrefillInputs:
-        """Abstract shapes for compiling the chunk-C executable."""
+    def spec(cls, chunk: int, table_width: int, max_len: int) -> PrefillInputs:
+        """Abstract shapes for compiling the chunk-C executable (a block table of `table_width` pages)."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
         return cls(slot=i32(1), tokens=i32(1, chunk), start=i32(1), n_valid=i32(1),
                    is_last=jax.ShapeDtypeStruct((), jnp.bool_), temperature=f32(1), top_p=f32(1), top_k=i32(1),
-                   seed=i32(1))
+                   seed=i32(1), block_table=i32(1, table_width), prefix=i32(1, max_len), n_prefix=i32(1),
+                   generated=i32(1))
 
 
 def emitted_logprobs(logits: jax.Array, tokens: jax.Array, n_top: int) -> tuple[jax.Array, jax.Array]:
@@ -90,14 +99,14 @@ class StepBodies:
                          keys=sampling.row_keys(p.seed[slot_ids], state.n_generated[slot_ids]))
 
     def step(self, k: int, window: int) -> Callable:
-        """The (B, k, W) step: (target_params, proposer_params, state, slot_ids [B], row_k [B][, host]) -> (state,
-        packed), or (state, packed, (values [B, k+1, 1+N], ids [B, k+1, N])) with logprobs N > 0; `host` (a
-        `HostProposals` of [B, k]) only for a proposer with `host_proposals`."""
+        """The (B, k, W) step: (target_params, proposer_params, state, slot_ids [B], row_k [B], block_table
+        [B, ceil(W/X)][, host]) -> (state, packed), or (state, packed, (values [B, k+1, 1+N], ids [B, k+1, N])) with
+        logprobs N > 0; `host` (a `HostProposals` of [B, k]) only for a proposer with `host_proposals`."""
         proposer = self.proposer
         scratch = self.menu.num_slots
         tree = self.menu.tree_at(k)
 
-        def body(target_params, proposer_params, state: DecodeState, slot_ids, row_k, host=None):
+        def body(target_params, proposer_params, state: DecodeState, slot_ids, row_k, block_table, host=None):
             target, layers = nnx.merge(self.graphdef, target_params[0]), target_params[1]
             b = slot_ids.shape[0]
             start = state.cache.lengths[slot_ids]  # [B]
@@ -110,13 +119,13 @@ class StepBodies:
                 valid = jnp.arange(k)[None, :] < jnp.minimum(nodes.lens, row_k)[:, None]  # [B, k]
                 rooted = tree_lib.with_root(nodes, valid)  # tokens, parents, depth: [B, k+1]
                 logits, cache = target.forward_cached(
-                    tree_lib.tree_inputs(pending, rooted, slot_ids, start, tree.depth), state.cache, window,
+                    tree_lib.tree_inputs(pending, rooted, slot_ids, start, tree.depth, block_table), state.cache, window,
                     layers=layers, kernels=self.kernels)  # [B, k+1, V]
                 out, counts, path = verify_tree(logits, *rooted, ctx.rows, tree.depth)
                 # out[:, j] was drawn at the path's node of depth j: emitted_logits [B, k+1, V]
                 node = path[:, jnp.minimum(jnp.arange(k + 1), tree.depth)]  # [B, k+1]
                 emitted_logits = jnp.take_along_axis(logits, node[:, :, None], axis=1)
-                cache = tree_lib.compact(cache, slot_ids, start, path)  # the accepted path where a chain has it
+                cache = tree_lib.compact(cache, slot_ids, start, path, block_table)  # the accepted path, as a chain
                 proposed = jnp.sum(valid, axis=1).astype(jnp.int32)  # [B]
             else:
                 if k > 0:
@@ -128,8 +137,9 @@ class StepBodies:
                     pstate = state.proposer
                 # tokens_in: [B, k+1] = pending then the proposals
                 tokens_in = jnp.concatenate([pending[:, None], proposals.token_ids], axis=1)
-                hidden, features, cache = self.target_pass(target, chain_inputs(tokens_in, slot_ids, start),
-                                                            state.cache, window, layers)  # [B, k+1, D], [B, k+1, n·D]
+                hidden, features, cache = self.target_pass(
+                    target, chain_inputs(tokens_in, slot_ids, start, block_table), state.cache, window,
+                    layers)  # [B, k+1, D], [B, k+1, n·D]
                 logits = target.unembed(hidden, self.kernels)  # [B, k+1, V]
                 out, counts = verify(logits, proposals, ctx.rows)  # [B, k+1], [B]
                 emitted_logits = logits  # out[:, j] was drawn at input position j
@@ -189,7 +199,7 @@ class StepBodies:
                                 top_p=state.params.top_p.at[slot].set(top_p),
                                 top_k=state.params.top_k.at[slot].set(top_k),
                                 seed=state.params.seed.at[slot].set(seed))
-            inputs = chain_inputs(tokens, slot, start)
+            inputs = chain_inputs(tokens, slot, start, chunk_in.block_table)
             hidden, features, cache = self.target_pass(target, inputs, state.cache, window, layers)  # [1, C, D|n·D]
             # logits: [1, 1, V] after the chunk's last real token
             logits = target.unembed(jnp.take_along_axis(hidden, (n_valid - 1)[:, None, None], axis=1), self.kernels)
@@ -201,10 +211,15 @@ class StepBodies:
                 pstate = proposer.forget(pstate, slot)
             else:
                 pstate = proposer.prefill(proposer_params, pstate, inputs, n_valid, window)
+            # history[slot, :n_prefix] = the cached prefix's tokens, then the chunk's at start..
+            max_len = state.history.shape[1]
+            cached = jnp.arange(max_len, dtype=jnp.int32)[None, :] < chunk_in.n_prefix[:, None]  # [1, M]
+            history = state.history.at[slot].set(jnp.where(cached, chunk_in.prefix, state.history[slot]))
             positions = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [1, C]
-            history = state.history.at[slot[:, None], positions].set(tokens, mode="drop")
-            # first generated token (used only when this is the prompt's last chunk)
-            n_gen = jnp.zeros((1,), jnp.int32)
+            history = history.at[slot[:, None], positions].set(tokens, mode="drop")
+            # first generated token (used only when this is the prompt's last chunk): the request's token number
+            # `generated` (0, or what a preempted request had generated), keyed as the plain decode keys it
+            n_gen = chunk_in.generated
             rows = RowParams(temperature=temperature, top_p=top_p, top_k=top_k,
                              keys=sampling.row_keys(seed, n_gen))
             first = sampling.draw(logits[:, 0, :], rows, sampling.subkeys(rows.keys, RESIDUAL_KEY))[0]  # [1]
@@ -214,7 +229,7 @@ class StepBodies:
                 cache=cache,
                 pending=jnp.where(is_last, state.pending.at[slot].set(first), state.pending),
                 history=history,
-                n_generated=state.n_generated.at[slot].set(jnp.where(is_last, 1, 0)),
+                n_generated=state.n_generated.at[slot].set(jnp.where(is_last, n_gen + 1, 0)),
                 params=params,
                 proposer=pstate,
             )

@@ -58,3 +58,12 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, slot_i
         raise RuntimeError(f"cache_attention: {kernel_unavailable_reason()}; {cpu_kernels.HOW_TO_GET_THEM}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, cache_k, cache_v, slot_ids.astype(jnp.int32), mask.astype(jnp.bool_))
+
+
+def paged_cache_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_table: jax.Array,
+                          mask: jax.Array) -> jax.Array:
+    """Placeholder until the paged kernel lands (TEMPORARY: the XLA form)."""
+    from jaxspec.models.kv_cache import gather_window
+    from jaxspec.models.llama import attention
+    w = mask.shape[2]
+    return attention(q, gather_window(k_pages, block_table, w), gather_window(v_pages, block_table, w), mask)

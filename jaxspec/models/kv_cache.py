@@ -1,13 +1,13 @@
 """KV caches (docs/design.md, "The KV cache"): the target's paged cache and a draft's per-slot cache.
 
-The target's cache is paged (`PagedKVCache`): per layer a pool of pages [N, P, G, H] and, per step, a block
-table [B, ceil(W/P)] naming the page that holds each run of P window positions of a row::
+The target's cache is paged (`PagedKVCache`): per layer a pool of pages [I, X, G, H] and, per step, a block
+table [B, ceil(W/X)] naming the page that holds each run of X window positions of a row::
 
-    block_table[b]:  [ 7 | 2 | 9 | 0 ... ]        pool k[l]: [N, P, G, H]
-    positions:        0..P-1, P..2P-1, 2P..3P-1    page 0 is scratch: padded rows write there, and
+    block_table[b]:  [ 7 | 2 | 9 | 0 ... ]        pool k[l]: [I, X, G, H]
+    positions:        0..X-1, X..2X-1, ...      page 0 is scratch: padded rows write there, and
                                                    table entries past a row's pages name it (never attended)
 
-Position w of row b is page block_table[b, w // P], offset w % P (`page_slots`). Pages are handed out by the
+Position w of row b is page block_table[b, w // X], offset w % X (`page_slots`). Pages are handed out by the
 host (jaxspec.engine.pages); a page of a cached prompt prefix is named by the tables of every request that shares
 it. Attention reads the pages in place (the XLA:CPU kernel, the Pallas kernel) or gathers the window
 (`gather_window`, the XLA form).
@@ -42,6 +42,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.models.config import ModelConfig
 
@@ -54,8 +55,8 @@ class PagedKVCache:
     """The target's keys/values in pages, plus each slot's committed length (the block tables live on the host
     and come with every call: `StepInputs.block_table`)."""
 
-    k: tuple[jax.Array, ...]  # L x [N, P, G, H]
-    v: tuple[jax.Array, ...]  # L x [N, P, G, H]
+    k: tuple[jax.Array, ...]  # L x [I, X, G, H]
+    v: tuple[jax.Array, ...]  # L x [I, X, G, H]
     lengths: jax.Array  # [S+1] int32
 
     @property
@@ -72,15 +73,22 @@ class PagedKVCache:
         return dataclasses.replace(self, lengths=self.lengths.at[slot_ids].set(new_lengths))
 
 
+# the page of a position past a row's block table: out of every pool's range, so a write there (mode="drop") is
+# dropped, as a per-slot cache drops writes past max_len (a capped row of a step writes up to k_run + 1 positions)
+PAST_TABLE_PAGE = int(np.iinfo(np.int32).max)
+
+
 def page_slots(block_table: jax.Array, positions: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
-    """Where positions [B, X] of each row lie in the pool: (page [B, X], offset [B, X]) by its block table
-    [B, NPw]. Positions past the table name its last entry (the caller masks or drops them)."""
-    column = jnp.clip(positions // page_size, 0, block_table.shape[1] - 1)  # [B, X]
-    return jnp.take_along_axis(block_table, column, axis=1), positions % page_size
+    """Where positions [B, Y] of each row lie in the pool: (page [B, Y], offset [B, Y]) by its block table
+    [B, ceil(W/X)]; a position past the table gets `PAST_TABLE_PAGE` (write with mode="drop")."""
+    column = positions // page_size  # [B, Y]
+    inside = column < block_table.shape[1]  # [B, Y]
+    page = jnp.take_along_axis(block_table, jnp.clip(column, 0, block_table.shape[1] - 1), axis=1)  # [B, Y]
+    return jnp.where(inside, page, PAST_TABLE_PAGE), positions % page_size
 
 
 def gather_window(pages: jax.Array, block_table: jax.Array, window: int) -> jax.Array:
-    """Positions [0, W) of each row, gathered from the pool: pages [N, P, G, H], block_table [B, ceil(W/P)]
+    """Positions [0, W) of each row, gathered from the pool: pages [I, X, G, H], block_table [B, ceil(W/X)]
     -> [B, W, G, H] (the XLA attention form; the kernels read the pages in place)."""
     b = block_table.shape[0]
     positions = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (b, window))  # [B, W]

@@ -7,6 +7,7 @@ stored as column panels, `jaxspec.models.panel_matmul`); a
 
 Dimension names (docs/design.md, "Dimension names"):
   B batch rows   T new tokens per row   S slots (+1 scratch)   M cache positions (max_len)
+  I pages in a paged cache's pool   X positions per page
   W attended window   D model width   F FFN width   E a fused projection's output width
   N query heads   G kv heads   R = N // G query heads per kv head   H head dim   V vocab
   J positions whose logits are kept   L layers   P tensor-parallel groups (mesh `model` size)
@@ -24,11 +25,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as PS
 
-from jaxspec.models.cache_attention import cache_attention
+from jaxspec.models.cache_attention import cache_attention, paged_cache_attention
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.kernel_plan import XLA_PLAN, KernelPlan
-from jaxspec.models.kv_cache import KVCache
-from jaxspec.models.pallas_attention import WindowMask, slot_attention
+from jaxspec.models.kv_cache import KVCache, PagedKVCache, gather_window, page_slots
+from jaxspec.models.pallas_attention import WindowMask, paged_attention, slot_attention
 from jaxspec.models.panel_matmul import PanelWeight, dense, table_matmul
 from jaxspec.models.sharding import Placement, TensorParallelLayout
 
@@ -44,12 +45,14 @@ LAYER_BIASES = ("bq", "bk", "bv")
 class StepInputs:
     """Where T new tokens per row go and what they may attend to.
 
-    tokens:     [B, T] int32 token ids.
-    slot_ids:   [B] int32 cache slot of each row (padded rows use the scratch slot).
-    start:      [B] int32 first cache position written by this call (= committed length).
-    depth:      [B, T] int32 position offset of each token (chain: 0..T-1; tree: node depth).
-    step_mask:  [B, T, T] bool, step_mask[b, t, u]: query t may attend new token u
-                (chain: lower-triangular; tree: ancestor-or-self).
+    tokens:      [B, T] int32 token ids.
+    slot_ids:    [B] int32 cache slot of each row (padded rows use the scratch slot).
+    start:       [B] int32 first cache position written by this call (= committed length).
+    depth:       [B, T] int32 position offset of each token (chain: 0..T-1; tree: node depth).
+    step_mask:   [B, T, T] bool, step_mask[b, t, u]: query t may attend new token u
+                 (chain: lower-triangular; tree: ancestor-or-self).
+    block_table: [B, ceil(W/X)] int32, the pages of each row's window in a paged cache
+                 (jaxspec.models.kv_cache.PagedKVCache); None for a per-slot cache.
     """
 
     tokens: jax.Array
@@ -57,15 +60,17 @@ class StepInputs:
     start: jax.Array
     depth: jax.Array
     step_mask: jax.Array
+    block_table: jax.Array | None = None
 
 
-def chain_inputs(tokens: jax.Array, slot_ids: jax.Array, start: jax.Array) -> StepInputs:
-    """StepInputs for a plain causal chain of T tokens per row."""
+def chain_inputs(tokens: jax.Array, slot_ids: jax.Array, start: jax.Array,
+                 block_table: jax.Array | None = None) -> StepInputs:
+    """StepInputs for a plain causal chain of T tokens per row (`block_table` for a paged cache)."""
     b, t = tokens.shape
     # depth: [B, T] = 0..T-1 ; step_mask: [B, T, T] lower-triangular
     depth = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     step_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    return StepInputs(tokens, slot_ids, start, depth, step_mask)
+    return StepInputs(tokens, slot_ids, start, depth, step_mask, block_table)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -466,17 +471,27 @@ class Llama(nnx.Module):
                                                         kernels)
         return hidden, jnp.concatenate(collected, axis=-1), cache
 
-    def _forward_cached(self, inputs: StepInputs, cache: KVCache, window: int, layers, embeds, mask,
+    def _forward_cached(self, inputs: StepInputs, cache: KVCache | PagedKVCache, window: int, layers, embeds, mask,
                         collect: tuple[int, ...],
-                        kernels: KernelPlan) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
-        if window > cache.max_len:
-            raise ValueError(f"attention window {window} exceeds cache max_len {cache.max_len}")
+                        kernels: KernelPlan) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache | PagedKVCache]:
         b, t = inputs.tokens.shape
+        paged = isinstance(cache, PagedKVCache)
+        if paged:
+            if inputs.block_table is None:
+                raise ValueError("a paged cache needs StepInputs.block_table")
+            if inputs.block_table.shape != (b, -(-window // cache.page_size)):
+                raise ValueError(f"block table {inputs.block_table.shape} must be [B, ceil(W/X)] = "
+                                 f"{(b, -(-window // cache.page_size))}")
+        elif window > cache.max_len:
+            raise ValueError(f"attention window {window} exceeds cache max_len {cache.max_len}")
         positions = inputs.start[:, None] + inputs.depth  # [B, T] RoPE positions
         write_pos = inputs.start[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T] cache positions
         mask = WindowMask(inputs.step_mask, inputs.start, window) if mask is None else mask
         dense = mask.dense()  # [B, T, W] (the kernels that read the cache in place on GPU take `mask` itself)
-        slots = inputs.slot_ids[:, None]  # [B, 1]
+        if paged:  # where the new tokens go: [B, T] pages and offsets within them
+            rows, columns = page_slots(inputs.block_table, write_pos, cache.page_size)
+        else:  # [B, 1] slots, [B, T] positions
+            rows, columns = inputs.slot_ids[:, None], write_pos
         if layers is None:  # static per-layer views of the stacked weights (drafts, tests)
             stacked = self._layer_params()
             layers = tuple({name: w[i] for name, w in stacked.items()} for i in range(self.config.num_layers))
@@ -487,23 +502,37 @@ class Llama(nnx.Module):
 
         def attend(index, q, k, v, kv):
             ks, vs = kv
-            # write this layer's new k/v, then read the window from the same (in-place) buffer
-            # ck[slot_b, write_pos[b, t]] = k[b, t]: [B, T, G, H] updates into [S+1, M, G, H]
-            ck = ks[index].at[slots, write_pos].set(k.astype(ks[index].dtype), mode="drop")
-            cv = vs[index].at[slots, write_pos].set(v.astype(vs[index].dtype), mode="drop")
+            # write this layer's new k/v, then read the window from the same (in-place) buffer:
+            # k [B, T, G, H] into [I, X, G, H] pages (paged) or [S+1, M, G, H] slots
+            ck = ks[index].at[rows, columns].set(k.astype(ks[index].dtype), mode="drop")
+            cv = vs[index].at[rows, columns].set(v.astype(vs[index].dtype), mode="drop")
             ks = ks[:index] + (ck,) + ks[index + 1:]
             vs = vs[:index] + (cv,) + vs[index + 1:]
-            # out: [B, T, N, H] from positions [0, W) of each row's slot
-            if form == "cpu-cache-kernel":  # read in place by the XLA:CPU kernel
-                return cache_attention(q, ck, cv, inputs.slot_ids, dense), (ks, vs)
-            if form == "pallas":  # read in place by the Pallas kernel (pages of the slot, identity block table)
-                return slot_attention(q, ck, cv, inputs.slot_ids, mask, interpret=kernels.interpret), (ks, vs)
-            kw, vw = ck[inputs.slot_ids, :window], cv[inputs.slot_ids, :window]  # [B, W, G, H]
-            return attention(q, kw, vw, dense, kernels.xla_block_diagonal), (ks, vs)
+            return self._attend_window(q, ck, cv, inputs, mask, dense, form, kernels), (ks, vs)
 
         x = self.embed_tokens(inputs.tokens) if embeds is None else embeds  # [B, T, D]
         x, (ks, vs), collected = self._run_layers(x, positions, attend, (cache.k, cache.v), layers, collect)
         return x, collected, dataclasses.replace(cache, k=ks, v=vs)
+
+    @staticmethod
+    def _attend_window(q: jax.Array, ck: jax.Array, cv: jax.Array, inputs: StepInputs, mask: WindowMask,
+                       dense: jax.Array, form: str, kernels: KernelPlan) -> jax.Array:
+        """q [B, T, N, H] over positions [0, W) of each row (its pages `inputs.block_table` of ck, cv [I, X, G, H],
+        or its slot of ck, cv [S+1, M, G, H]) in the form the plan gives -> [B, T, N, H]."""
+        table, window = inputs.block_table, mask.window
+        if form == "cpu-cache-kernel":  # read in place by the XLA:CPU kernel
+            if table is None:
+                return cache_attention(q, ck, cv, inputs.slot_ids, dense)
+            return paged_cache_attention(q, ck, cv, table, dense)
+        if form == "pallas":  # read in place by the Pallas kernel
+            if table is None:  # the pages of the slot (identity block table)
+                return slot_attention(q, ck, cv, inputs.slot_ids, mask, interpret=kernels.interpret)
+            return paged_attention(q, ck, cv, table, mask, interpret=kernels.interpret)
+        if table is None:
+            kw, vw = ck[inputs.slot_ids, :window], cv[inputs.slot_ids, :window]  # [B, W, G, H]
+        else:
+            kw, vw = gather_window(ck, table, window), gather_window(cv, table, window)  # [B, W, G, H]
+        return attention(q, kw, vw, dense, kernels.xla_block_diagonal)
 
 
 # --- conversion from / to Hugging Face layout ------------------------------------------

@@ -108,6 +108,8 @@ class RequestResult:
     seed:      the sampling seed used (drawn from the host for unseeded sampled requests).
     steps:     per decode step (k, proposed, accepted); the prefill's first token has no step.
     logprobs:  one per token id when the request asked for them (params.logprobs), else ().
+    cached_prompt_tokens: prompt tokens served from the prefix cache (not computed) at its admission.
+    preemptions: times the request gave back its pages to others and had its context recomputed.
     """
 
     request_id: str
@@ -120,6 +122,8 @@ class RequestResult:
     steps: tuple[StepRecord, ...]
     timings: RequestTimings
     logprobs: tuple[TokenLogprobs, ...] = ()
+    cached_prompt_tokens: int = 0
+    preemptions: int = 0
 
     @classmethod
     def rejected(cls, request: Request, reason: str) -> RequestResult:
@@ -146,6 +150,7 @@ class RequestResult:
         t = self.timings
         return {
             "prompt_tokens": self.prompt_len, "completion_tokens": len(self.token_ids),
+            "cached_prompt_tokens": self.cached_prompt_tokens, "preemptions": self.preemptions,
             "steps": len(self.steps), "k": [s.k for s in self.steps],
             "proposed": self.proposed, "accepted": self.accepted, "acceptance": self.acceptance_rate,
             "seed": self.seed, "queued_s": t.queued_s, "ttft_s": t.ttft_s, "tpot_s": t.tpot_s,

@@ -3,11 +3,14 @@
 One engine thread runs the loop (`run_forever()`, or `generate_all` / `iter_completed` in the
 caller's thread); any thread may `submit`, `cancel` and read a request's events. Every loop iteration:
 
-    cancellations  ->  admission: waiting requests take free slots (FIFO)
+    cancellations  ->  admission: waiting requests take free slots and their prompts' pages (FIFO), a cached
+                       prompt prefix served from the engine's prefix cache
                    ->  prefill: at most `prefill_token_budget` prompt tokens (≥ one chunk), so a long
                        prompt never stalls running requests for its whole prefill
-                   ->  decode: BatchView -> policy.choose -> engine.dispatch_step; then the step dispatched
-                       before (overlapped) or this one (synchronous) is read -> policy.observe, step listeners
+                   ->  decode: BatchView -> policy.choose -> engine.dispatch_step (when the page pool is full,
+                       the youngest request is preempted: its pages freed, it waits again at the queue's head
+                       and its prompt and output so far are recomputed; nothing it streamed repeats); then the
+                       step dispatched before (overlapped) or this one (synchronous) is read -> policy.observe
                    ->  per request: output processing (jaxspec.scheduling.output) streams the new tokens and text;
                        finished requests retire and free their slots
 
@@ -37,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from jaxspec.engine.api import EngineAPI, PendingStep
+from jaxspec.engine.api import EngineAPI, PagesExhaustedError, PendingStep
 from jaxspec.policy.base import BatchView, Decision, Policy
 from jaxspec.policy.fixed import NoSpeculation
 from jaxspec.scheduling.detokenizer import ByteTokenizer
@@ -143,8 +146,12 @@ class _Live:
     admitted: float | None = None
     first_token_at: float | None = None
     slot: int | None = None
-    prefilled: int = 0  # prompt tokens in the cache
+    prefilled: int = 0  # context tokens in the cache
     running: bool = False  # prefill done, decoding
+    context: tuple[int, ...] = ()  # what prefill writes: the prompt, and a preempted request's output so far
+    cached_prompt_tokens: int | None = None  # served from the prefix cache at the first admission
+    age: int = 0  # order of first admission: the youngest (largest) is preempted first
+    preemptions: int = 0
     steps: list[StepRecord] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # per kept token, when asked
 
@@ -213,6 +220,8 @@ class Scheduler:
         self.iterations = 0  # loop iterations (idle waits excluded)
         self.steps_run = 0  # decode steps
         self.engine_resets = 0
+        self.preemptions = 0  # requests that gave their pages back to others
+        self._admissions = 0
         self._in_flight: _InFlight | None = None  # overlapped: the step dispatched and not read yet
         self._last_read_at = float("-inf")  # when the last step was read (the overlapped step's start)
 
@@ -233,7 +242,7 @@ class Scheduler:
             if len(self._waiting) >= self.config.max_queue:
                 raise QueueFullError(f"the waiting queue is full ({self.config.max_queue} requests)")
             live = _Live(request=request, handle=RequestHandle(request.request_id, self.cancel), stream=stream,
-                         seed=seed, arrival=self.clock(), output=output)
+                         seed=seed, arrival=self.clock(), output=output, context=tuple(request.prompt_token_ids))
             self._waiting.append(live)
             self._live[request.request_id] = live
             self._wakeup.notify_all()
@@ -373,15 +382,30 @@ class Scheduler:
         return bool(ids)
 
     def _admit(self) -> None:
-        free = [s for s in range(self.capacity) if s not in self._slots]
-        with self._lock:
-            admitted = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-        now = self.clock()
-        for slot, live in zip(free, admitted):
-            live.slot, live.admitted = slot, now
+        """Waiting requests, in order, take free slots while the engine's page pool holds their prompts."""
+        for slot in [s for s in range(self.capacity) if s not in self._slots]:
+            with self._lock:
+                if not self._waiting:
+                    return
+                live = self._waiting[0]  # only this thread removes from the queue
+            cached = self.engine.admit(slot, live.context)
+            if cached is None and self._slots:  # the pool is full now: wait for pages (FIFO)
+                return
+            with self._lock:
+                self._waiting.popleft()
+            if cached is None:  # even an empty pool cannot hold it
+                stats = self.engine.page_stats()
+                self._finish(live, FinishReason.ERROR, f"a context of {len(live.context)} tokens does not fit the KV "
+                                                       f"page pool ({stats.total} pages of {self.engine.menu.page_size})")
+                continue
+            live.slot, live.prefilled = slot, cached
             self._slots[slot] = live
-            if self.suffix_index is not None:
-                self.suffix_index.start(live.request_id, live.request.prompt_token_ids, live.request.tenant)
+            if live.admitted is None:  # a preempted request keeps its first admission
+                live.admitted, live.cached_prompt_tokens = self.clock(), cached
+                self._admissions += 1
+                live.age = self._admissions
+                if self.suffix_index is not None:
+                    self.suffix_index.start(live.request_id, live.request.prompt_token_ids, live.request.tenant)
 
     def _prefill(self) -> bool:
         """Prefill prompt chunks of admitted requests (oldest first) within the token budget."""
@@ -389,8 +413,7 @@ class Scheduler:
         largest = self.engine.menu.largest_chunk
         for live in [s for s in self._slots.values() if not s.running]:  # admission order
             while not live.running:
-                prompt = live.request.prompt_token_ids
-                n = min(len(prompt) - live.prefilled, largest)
+                n = min(len(live.context) - live.prefilled, largest)
                 if did and n > budget:
                     return did
                 self._prefill_chunk(live, n)
@@ -401,12 +424,12 @@ class Scheduler:
         return did
 
     def _prefill_chunk(self, live: _Live, n: int) -> None:
-        prompt, p = live.request.prompt_token_ids, live.request.params
+        context, p = live.context, live.request.params
         start = live.prefilled
-        is_last = start + n == len(prompt)
+        is_last = start + n == len(context)
         try:
-            first = self.engine.prefill_chunk(live.slot, np.asarray(prompt[start:start + n], np.int32), start,
-                                              is_last, p, live.seed)
+            first = self.engine.prefill_chunk(live.slot, np.asarray(context[start:start + n], np.int32), start,
+                                              is_last, p, live.seed, generated=len(live.output.token_ids))
         except Exception as exc:  # noqa: BLE001 - the request fails, the loop goes on
             log.exception("prefill of request %r failed", live.request_id)
             if self.engine.state_lost():
@@ -416,7 +439,8 @@ class Scheduler:
         live.prefilled = start + n
         if is_last:
             live.running = True
-            live.first_token_at = self.clock()
+            if live.first_token_at is None:
+                live.first_token_at = self.clock()
             if p.logprobs is None:
                 self._deliver(live, [first])
             else:  # the engine's top alternatives, cut to the request's
@@ -497,7 +521,36 @@ class Scheduler:
         return rows
 
     def _dispatch(self, rows: list[_Live]) -> _InFlight | None:
-        """policy.choose then engine.dispatch_step for `rows`; None when either failed (the rows failed)."""
+        """policy.choose then engine.dispatch_step for `rows`; when the page pool cannot take the step, the
+        youngest request is preempted and the others try again. None when no step ran (the rows failed, or none
+        is left)."""
+        while rows:
+            try:
+                return self._dispatch_rows(rows)
+            except PagesExhaustedError as exc:
+                if len(self._slots) == 1:  # nobody to make room for it
+                    self._fail_all(rows, f"the KV page pool cannot hold this request's context: {exc}")
+                    return None
+                victim = max(self._slots.values(), key=lambda live: live.age)
+                self._preempt(victim)
+                rows = [r for r in rows if r is not victim]
+        return None
+
+    def _preempt(self, live: _Live) -> None:
+        """Give back a request's slot and pages; it waits at the head of the queue with its prompt and output so
+        far as the context to recompute (a step in flight that holds it delivers nothing to it)."""
+        self.engine.free(live.slot)
+        del self._slots[live.slot]
+        live.slot, live.prefilled, live.running = None, 0, False
+        live.context = tuple(live.request.prompt_token_ids) + live.output.token_ids
+        live.preemptions += 1
+        self.preemptions += 1
+        with self._lock:
+            self._waiting.appendleft(live)
+        log.info("preempted request %r (%d context tokens) for KV pages", live.request_id, len(live.context))
+
+    def _dispatch_rows(self, rows: list[_Live]) -> _InFlight | None:
+        """One try of `_dispatch`: raises PagesExhaustedError with nothing started."""
         view, room = self._view(rows)
         try:
             decision = self.policy.choose(view)
@@ -512,6 +565,8 @@ class Scheduler:
             extra = {} if self.suffix_index is None else {"host_proposals": self._host_proposals(rows)}
             pending = self.engine.dispatch_step(slots, decision.k,
                                                 list(decision.row_k) if decision.row_k is not None else None, **extra)
+        except PagesExhaustedError:
+            raise
         except Exception as exc:  # noqa: BLE001
             log.exception("engine step failed")
             self._recover_engine(f"engine step failed: {exc!r}")
@@ -603,6 +658,7 @@ class Scheduler:
             del self._slots[live.slot]
             self.engine.free(live.slot)
             live.slot = None
+        if live.admitted is not None:  # (a preempted request waiting again holds no slot, but was admitted)
             if self.suffix_index is not None:  # a finished output stays for later requests; a cancelled one goes
                 self.suffix_index.finish(live.request_id, keep=reason in KEPT_OUTPUTS)
             try:
@@ -620,7 +676,8 @@ class Scheduler:
         result = RequestResult(
             request_id=live.request_id, token_ids=tokens, text=live.output.text, finish_reason=reason, error=error,
             prompt_len=len(live.request.prompt_token_ids), seed=live.seed, steps=tuple(live.steps), timings=timings,
-            logprobs=tuple(live.logprobs))
+            logprobs=tuple(live.logprobs), cached_prompt_tokens=live.cached_prompt_tokens or 0,
+            preemptions=live.preemptions)
         with self._lock:
             self._live.pop(live.request_id, None)
             self._cancel_ids.discard(live.request_id)

@@ -30,7 +30,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models.kv_cache import KVCache
+from jaxspec.models.kv_cache import KVCache, PagedKVCache, page_slots
 from jaxspec.models.llama import StepInputs
 from jaxspec.types import TreeProposals
 
@@ -58,13 +58,13 @@ def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
 
 
 def tree_inputs(pending: jax.Array, rooted: tuple[jax.Array, jax.Array, jax.Array], slot_ids: jax.Array,
-                start: jax.Array, max_depth: int) -> StepInputs:
+                start: jax.Array, max_depth: int, block_table: jax.Array | None = None) -> StepInputs:
     """The target's StepInputs for one tree step from `with_root`'s (tokens, parents, depth): tokens
     [B, T] = pending then the nodes (invalid ones as token 0: scored, never accepted), RoPE offsets =
     depth, the ancestor mask."""
     tokens, parents, depth = rooted
     tokens = jnp.concatenate([pending[:, None], jnp.maximum(tokens[:, 1:], 0)], axis=1)  # [B, T]
-    return StepInputs(tokens, slot_ids, start, depth, ancestor_mask(parents, max_depth))
+    return StepInputs(tokens, slot_ids, start, depth, ancestor_mask(parents, max_depth), block_table)
 
 
 def root_path(accepted: jax.Array, parents: jax.Array, depth: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array]:
@@ -84,16 +84,25 @@ def root_path(accepted: jax.Array, parents: jax.Array, depth: jax.Array, max_dep
     return deepest, path
 
 
-def compact(cache: KVCache, slot_ids: jax.Array, start: jax.Array, path: jax.Array) -> KVCache:
+def compact(cache: KVCache | PagedKVCache, slot_ids: jax.Array, start: jax.Array, path: jax.Array,
+            block_table: jax.Array | None = None) -> KVCache | PagedKVCache:
     """Move the keys and values of each row's accepted path (nodes path [B, Z+1], written at start + node)
-    to start + depth, where the next step expects them, in every layer (lengths are not changed)."""
+    to start + depth, where the next step expects them, in every layer (lengths are not changed). A paged cache
+    needs the rows' `block_table` [B, ceil(W/X)]."""
     src = start[:, None] + path  # [B, Z+1] positions the nodes were written at
     dst = start[:, None] + jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]  # [B, Z+1]
-    slots = slot_ids[:, None]  # [B, 1]
+    if isinstance(cache, PagedKVCache):  # (page, offset) [B, Z+1] each, in the pool [I, X, G, H]
+        last = block_table.shape[1] * cache.page_size - 1  # the last position the table holds
+        src_at = page_slots(block_table, jnp.minimum(src, last), cache.page_size)
+        dst_at = page_slots(block_table, dst, cache.page_size)
+    else:  # (slot [B, 1], position [B, Z+1]) in [S+1, M, G, H]
+        slots = slot_ids[:, None]  # [B, 1]
+        src_at = (slots, jnp.minimum(src, cache.max_len - 1))
+        dst_at = (slots, dst)
 
-    def move(buffer):  # [S+1, M, G, H]
-        rows = buffer[slots, jnp.minimum(src, buffer.shape[1] - 1)]  # [B, Z+1, G, H]
-        return buffer.at[slots, dst].set(rows, mode="drop")
+    def move(buffer):
+        rows = buffer[src_at]  # [B, Z+1, G, H]
+        return buffer.at[dst_at].set(rows, mode="drop")
 
     return dataclasses.replace(cache, k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v))
 
