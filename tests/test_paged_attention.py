@@ -233,3 +233,13 @@ def test_the_cpu_kernel_refuses_bad_tables():
         bad = case.table.at[1, 2].set(page)
         with pytest.raises(Exception, match=rf"block table entry \[1, 2\] = {page} names no page of the pool"):
             jax.block_until_ready(_cpu_kernel(case.q, case.k_pages, case.v_pages, bad, case.mask))
+
+
+def test_the_pallas_kernel_refuses_bad_tables():
+    """The Pallas form: a table whose shape is not [B, ceil(W/P)], or not of integers, is a ValueError."""
+    case = Case(2, 1, 1, 9, 3, 64, 16, 64, "chain", seed=1)
+    for bad in (case.table[:, :3], case.table[:1]):
+        with pytest.raises(ValueError, match=r"must be \[B, ceil\(W / P\)\] = \(2, 4\)"):
+            paged_attention(case.q, case.k_pages, case.v_pages, bad, case.mask, interpret=True)
+    with pytest.raises(ValueError, match="integer"):
+        paged_attention(case.q, case.k_pages, case.v_pages, case.table.astype(jnp.float32), case.mask, interpret=True)
