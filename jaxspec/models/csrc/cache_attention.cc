@@ -101,20 +101,19 @@ struct Pool {
   int64_t stride;
 };
 
-// The run of positions [first, end) that lie in one page, cut at `to`, and where position `first` starts in
-// the pool (floats from the pool's start, all kv heads): the kernel walks a run's positions contiguously.
-struct PageRun {
-  int64_t end;
-  int64_t offset;
-};
-
-static inline __attribute__((always_inline)) PageRun RunFrom(const int32_t* pages, const Pool& pool, int64_t first,
-                                                             int64_t to) {
-  const int64_t page = first / pool.page_size, in_page = first - page * pool.page_size;
-  return PageRun{std::min(to, first + pool.page_size - in_page),
-                 (static_cast<int64_t>(pages[page]) * pool.page_size + in_page) * pool.stride};
+// Where positions [from, to) of a row lie in the pool: offsets[w - from] = floats from the pool's start to
+// position w (all kv heads). Filled page run by page run: the page is looked up once per run of up to P
+// contiguous positions, whose offsets then step by the stride.
+static inline __attribute__((always_inline)) void PositionOffsets(const int32_t* pages, const Pool& pool,
+                                                                  int64_t from, int64_t to, int64_t* offsets) {
+  for (int64_t first = from; first < to;) {
+    const int64_t page = first / pool.page_size, in_page = first - page * pool.page_size;
+    const int64_t end = std::min(to, first + pool.page_size - in_page);
+    int64_t offset = (static_cast<int64_t>(pages[page]) * pool.page_size + in_page) * pool.stride;
+    for (int64_t w = first; w < end; ++w, offset += pool.stride) offsets[w - from] = offset;
+    first = end;
+  }
 }
-
 
 // One past the last true entry of mask[0, w_len), or w_len if there is none (a query that sees nothing
 // averages the whole window, as in the XLA form). Scans from the end, eight bytes at a time.
@@ -195,19 +194,9 @@ static inline __attribute__((always_inline)) void Prefetch(const float* p, int64
   for (int64_t f = 0; f < h; f += 16) __builtin_prefetch(p + f, 0, 3);
 }
 
-// Prefetch positions [from, to) of a row (every kv head) from `base`, the pool's keys or values, run by run.
-static inline __attribute__((always_inline)) void PrefetchPositions(const float* base, const int32_t* pages,
-                                                                    const Pool& pool, int64_t from, int64_t to) {
-  for (int64_t first = from; first < to;) {
-    const PageRun run = RunFrom(pages, pool, first, to);
-    for (int64_t w = 0; w < run.end - first; ++w) Prefetch(base + run.offset + w * pool.stride, pool.stride);
-    first = run.end;
-  }
-}
-
 // Attend queries[0, count), which share one row's block table (each reads its kv head), over chunk c
 // (positions [c·kChunk, (c + 1)·kChunk) ∩ [0, w_end)), writing each attending query's partial for the chunk.
-// Positions are walked page run by page run (RunFrom): within a run, position w is one stride after w - 1.
+// Where the chunk's positions lie is worked out once (PositionOffsets) and shared by the queries.
 // scores is scratch [count, kChunk]. kH > 0 fixes the head dim at compile time (the query and the
 // accumulator live in registers); kH = 0 takes it at run time. Each query is computed on its own, by the same
 // operations in the same order, whatever B, T, the other queries or the split over threads are.
@@ -220,36 +209,34 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
   const int64_t chunks = h / 8;
   const float masked = std::numeric_limits<float>::lowest();  // the XLA form's finfo(float32).min
   const int64_t stride = pool.stride;
-  const int32_t* pages = queries[0].pages;
   const int64_t w_begin = c * kChunk;
   int64_t w_max = w_begin;  // one past the last position any query attends in this chunk
   for (int64_t i = 0; i < count; ++i) w_max = std::max(w_max, std::min(w_begin + kChunk, queries[i].w_end));
   if (w_max == w_begin) return;
+  int64_t offsets[kChunk];  // position w's keys (values) at pool.k (pool.v) + offsets[w - w_begin], all kv heads
+  PositionOffsets(queries[0].pages, pool, w_begin, w_max, offsets);
+  const int64_t* __restrict offset_at = offsets - w_begin;
   // 1. scores[i, w - w_begin] = q_i · k_w / sqrt(H), or `masked`; four positions in flight, each its own Dot.
   //    While a tile's keys are used, the next tile's keys and this tile's values are fetched.
   for (int64_t tile = w_begin; tile < w_max; tile += kTile) {
-    PrefetchPositions(pool.k, pages, pool, tile + kTile, std::min(tile + 2 * kTile, w_max));
-    PrefetchPositions(pool.v, pages, pool, tile, std::min(tile + kTile, w_max));
+    for (int64_t w = tile + kTile; w < std::min(tile + 2 * kTile, w_max); ++w) Prefetch(pool.k + offset_at[w], stride);
+    for (int64_t w = tile; w < std::min(tile + kTile, w_max); ++w) Prefetch(pool.v + offset_at[w], stride);
     for (int64_t i = 0; i < count; ++i) {
       const bool* __restrict sees_i = queries[i].sees;
       float* __restrict scores_i = scores + i * kChunk - w_begin;
       const int64_t tile_end = std::min(tile + kTile, queries[i].w_end);
       F8 q_chunks[kMaxChunks];
       for (int64_t m = 0; m < chunks; ++m) q_chunks[m] = Load8(queries[i].q + 8 * m);
-      for (int64_t first = tile; first < tile_end;) {
-        const PageRun run = RunFrom(pages, pool, first, tile_end);
-        const float* __restrict k_run = pool.k + run.offset + queries[i].head;  // position `first`, its kv head
-        auto lanes_at = [&](int64_t w) { return DotLanes(q_chunks, k_run + (w - first) * stride, chunks); };
-        int64_t w = first;
-        for (; w + 4 <= run.end; w += 4) {  // four positions side by side
-          const F4 dots = FoldFour(lanes_at(w), lanes_at(w + 1), lanes_at(w + 2), lanes_at(w + 3)) * scale;
-          const I4 sees = {sees_i[w], sees_i[w + 1], sees_i[w + 2], sees_i[w + 3]};
-          const F4 four = sees != 0 ? dots : masked - F4{};
-          std::memcpy(scores_i + w, &four, sizeof four);
-        }
-        for (; w < run.end; ++w) scores_i[w] = sees_i[w] ? FoldOne(lanes_at(w)) * scale : masked;
-        first = run.end;
+      const float* __restrict k_i = pool.k + queries[i].head;  // + offset_at[w]: position w, this kv head
+      auto lanes_at = [&](int64_t w) { return DotLanes(q_chunks, k_i + offset_at[w], chunks); };
+      int64_t w = tile;
+      for (; w + 4 <= tile_end; w += 4) {  // four positions side by side
+        const F4 dots = FoldFour(lanes_at(w), lanes_at(w + 1), lanes_at(w + 2), lanes_at(w + 3)) * scale;
+        const I4 sees = {sees_i[w], sees_i[w + 1], sees_i[w + 2], sees_i[w + 3]};
+        const F4 four = sees != 0 ? dots : masked - F4{};
+        std::memcpy(scores_i + w, &four, sizeof four);
       }
+      for (; w < tile_end; ++w) scores_i[w] = sees_i[w] ? FoldOne(lanes_at(w)) * scale : masked;
     }
   }
   // 2. each attending query's weights over the chunk: e = exp(score - top), their total as eight partial sums
@@ -284,14 +271,10 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
       if (tile >= tile_end) continue;
       F8 acc[kMaxChunks];
       for (int64_t m = 0; m < chunks; ++m) acc[m] = tile == w_begin ? F8{} : Load8(acc_i + 8 * m);
-      for (int64_t first = tile; first < tile_end;) {
-        const PageRun run = RunFrom(pages, pool, first, tile_end);
-        const float* __restrict v_run = pool.v + run.offset + queries[i].head;  // position `first`, its kv head
-        for (int64_t w = first; w < run.end; ++w) {
-          const float* __restrict v_w = v_run + (w - first) * stride;
-          for (int64_t m = 0; m < chunks; ++m) acc[m] += e_i[w] * Load8(v_w + 8 * m);
-        }
-        first = run.end;
+      const float* __restrict v_i = pool.v + queries[i].head;  // + offset_at[w]: position w, this kv head
+      for (int64_t w = tile; w < tile_end; ++w) {
+        const float* __restrict v_w = v_i + offset_at[w];
+        for (int64_t m = 0; m < chunks; ++m) acc[m] += e_i[w] * Load8(v_w + 8 * m);
       }
       for (int64_t m = 0; m < chunks; ++m) std::memcpy(acc_i + 8 * m, &acc[m], sizeof(F8));
     }
