@@ -9,7 +9,8 @@ queries (SmolLM2-135M's heads by default: N = 9, G = 3, H = 64) attend:
   pages scattered over the pool, as a page allocator leaves them), through a block table [B, W/P];
 - `old per-slot` (with `--old-kernel PATH`): the per-slot call of a kernel built before paging (its .so),
   registered under its own target name, to show what the paged generalisation costs the per-slot call.
-All forms are jitted and called alternately, repeat by repeat; the machine load is recorded before and after.
+All forms are jitted, each over its own buffers (none finds another's data in the caches), and called
+alternately, in a shuffled order each repeat; the machine load is recorded before and after.
 Ratios are the paged (or old) median over the per-slot median, and the same of the fastest runs (minima: on a
 loaded shared host the least disturbed run of each form, what the kernel itself costs).
 """
@@ -52,13 +53,15 @@ def _old_kernel(path: Path):
     return call
 
 
-def _interleaved_times(calls: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each call per repeat, the calls alternated repeat by repeat (after one untimed run each)."""
+def _interleaved_times(calls: dict, repeats: int, rng: np.random.Generator) -> dict[str, list[float]]:
+    """Seconds of each call per repeat, the calls alternated in a shuffled order each repeat (after one untimed
+    run each)."""
     for call in calls.values():
         call()
     times = {name: [] for name in calls}
     for _ in range(repeats):
-        for name, call in calls.items():
+        for name in rng.permutation(list(calls)):
+            call = calls[name]
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)
@@ -78,16 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     n, g, h = args.heads
     rng = np.random.default_rng(0)
-    forms = {"per-slot": jax.jit(cache_attention)}
-    if args.old_kernel:
-        forms["old per-slot"] = jax.jit(_old_kernel(args.old_kernel))
+    old_kernel = jax.jit(_old_kernel(args.old_kernel)) if args.old_kernel else None
     paged = jax.jit(paged_cache_attention)
     rows, before = [], load()
     for b in args.batches:
         m = max(args.windows)
         # cache_k, cache_v: [B+1, M, G, H]; rows use slots 0 .. B-1
-        cache_k = jnp.asarray(rng.standard_normal((b + 1, m, g, h), np.float32))
-        cache_v = jnp.asarray(rng.standard_normal((b + 1, m, g, h), np.float32))
+        cache = lambda: jnp.asarray(rng.standard_normal((b + 1, m, g, h), np.float32))  # noqa: E731
+        forms = {"per-slot": (jax.jit(cache_attention), cache(), cache())}
+        if old_kernel:
+            forms["old per-slot"] = (old_kernel, cache(), cache())
         slot_ids = jnp.arange(b, dtype=jnp.int32)
         pools = {}
         for p in args.page_sizes:
@@ -103,15 +106,15 @@ def main(argv: list[str] | None = None) -> int:
                 start = w - t  # the T new tokens at positions W-T .. W-1, causally: the window is full
                 mask = jnp.asarray(np.broadcast_to(np.arange(w)[None, None, :]
                                                    <= start + np.arange(t)[None, :, None], (b, t, w)))  # [B, T, W]
-                calls = {name: (lambda f=f: f(q, cache_k, cache_v, slot_ids, mask).block_until_ready())
-                         for name, f in forms.items()}
+                calls = {name: (lambda f=f, ck=ck, cv=cv: f(q, ck, cv, slot_ids, mask).block_until_ready())
+                         for name, (f, ck, cv) in forms.items()}
                 for p, (k_pages, v_pages, table) in pools.items():
                     if w % p:
                         continue
                     window_table = jnp.asarray(table[:, :w // p])  # [B, W/P]
                     calls[f"paged P={p}"] = (lambda k=k_pages, v=v_pages, tb=window_table:
                                              paged(q, k, v, tb, mask).block_until_ready())
-                times = _interleaved_times(calls, args.repeats)
+                times = _interleaved_times(calls, args.repeats, rng)
                 medians = {name: statistics.median(runs) for name, runs in times.items()}
                 minima = {name: min(runs) for name, runs in times.items()}
                 row = {"B": b, "T": t, "W": w,

@@ -215,20 +215,19 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
   if (w_max == w_begin) return;
   int64_t offsets[kChunk];  // position w's keys (values) at pool.k (pool.v) + offsets[w - w_begin], all kv heads
   PositionOffsets(queries[0].pages, pool, w_begin, w_max, offsets);
-  const int64_t* __restrict offset_at = offsets - w_begin;
   // 1. scores[i, w - w_begin] = q_i · k_w / sqrt(H), or `masked`; four positions in flight, each its own Dot.
   //    While a tile's keys are used, the next tile's keys and this tile's values are fetched.
   for (int64_t tile = w_begin; tile < w_max; tile += kTile) {
-    for (int64_t w = tile + kTile; w < std::min(tile + 2 * kTile, w_max); ++w) Prefetch(pool.k + offset_at[w], stride);
-    for (int64_t w = tile; w < std::min(tile + kTile, w_max); ++w) Prefetch(pool.v + offset_at[w], stride);
+    for (int64_t w = tile + kTile; w < std::min(tile + 2 * kTile, w_max); ++w) Prefetch(pool.k + offsets[w - w_begin], stride);
+    for (int64_t w = tile; w < std::min(tile + kTile, w_max); ++w) Prefetch(pool.v + offsets[w - w_begin], stride);
     for (int64_t i = 0; i < count; ++i) {
       const bool* __restrict sees_i = queries[i].sees;
       float* __restrict scores_i = scores + i * kChunk - w_begin;
       const int64_t tile_end = std::min(tile + kTile, queries[i].w_end);
       F8 q_chunks[kMaxChunks];
       for (int64_t m = 0; m < chunks; ++m) q_chunks[m] = Load8(queries[i].q + 8 * m);
-      const float* __restrict k_i = pool.k + queries[i].head;  // + offset_at[w]: position w, this kv head
-      auto lanes_at = [&](int64_t w) { return DotLanes(q_chunks, k_i + offset_at[w], chunks); };
+      const float* __restrict k_i = pool.k + queries[i].head;  // + offsets[w - w_begin]: position w, this kv head
+      auto lanes_at = [&](int64_t w) { return DotLanes(q_chunks, k_i + offsets[w - w_begin], chunks); };
       int64_t w = tile;
       for (; w + 4 <= tile_end; w += 4) {  // four positions side by side
         const F4 dots = FoldFour(lanes_at(w), lanes_at(w + 1), lanes_at(w + 2), lanes_at(w + 3)) * scale;
@@ -271,9 +270,9 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
       if (tile >= tile_end) continue;
       F8 acc[kMaxChunks];
       for (int64_t m = 0; m < chunks; ++m) acc[m] = tile == w_begin ? F8{} : Load8(acc_i + 8 * m);
-      const float* __restrict v_i = pool.v + queries[i].head;  // + offset_at[w]: position w, this kv head
+      const float* __restrict v_i = pool.v + queries[i].head;  // + offsets[w - w_begin]: position w, this kv head
       for (int64_t w = tile; w < tile_end; ++w) {
-        const float* __restrict v_w = v_i + offset_at[w];
+        const float* __restrict v_w = v_i + offsets[w - w_begin];
         for (int64_t m = 0; m < chunks; ++m) acc[m] += e_i[w] * Load8(v_w + 8 * m);
       }
       for (int64_t m = 0; m < chunks; ++m) std::memcpy(acc_i + 8 * m, &acc[m], sizeof(F8));
