@@ -121,7 +121,10 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
                     mask: WindowMask, *, blocks: KernelBlocks | None = None, interpret: bool = False) -> jax.Array:
     """Grouped-query attention of q [B, T, N, H] over window positions [0, mask.window) of each row, read from
     k_pages, v_pages [num_pages, P, G, H] through block_table [B, ceil(W / P)] (int32: entry i names the page
-    holding positions [i·P, (i+1)·P) of row b) -> [B, T, N, H] in q's dtype, f32 accumulation.
+    holding positions [i·P, (i+1)·P) of row b) -> [B, T, N, H] in q's dtype, f32 accumulation. Rows may name
+    pages in any order and share pages; entries past what a row's queries may see (the scratch page of a paged
+    cache) are read only as masked, and whatever they hold adds exact zeros. Page ids are not checked on the
+    device: each must be in [0, num_pages).
 
     Same result as `paged_attention_reference` up to float rounding, except that a query that sees no position
     gets zeros (the XLA form averages its window; the model never asks for such a query). `interpret`: run the
@@ -314,6 +317,8 @@ def _check(q, k_pages, v_pages, block_table, mask: WindowMask, window_pages: int
         raise ValueError(f"q, k_pages, v_pages dtypes differ: {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
     if block_table.shape != (b, window_pages):
         raise ValueError(f"block_table {block_table.shape} must be [B, ceil(W / P)] = {(b, window_pages)}")
+    if not jnp.issubdtype(block_table.dtype, jnp.integer):
+        raise ValueError(f"block_table dtype {block_table.dtype} is not an integer type")
     if mask.block_mask.shape[:2] != (b, t) or mask.block_start.shape != (b,):
         raise ValueError(f"mask block_mask {mask.block_mask.shape} / block_start {mask.block_start.shape} "
                          f"must be [{b}, {t}, U] / [{b}]")

@@ -1,16 +1,17 @@
-// Grouped-query attention that reads each row's window straight from the per-slot KV cache
+// Grouped-query attention that reads each row's window straight from a paged KV cache
 // (XLA:CPU custom call; docs/design.md, "Attention on XLA:CPU").
 //
 // XLA:CPU lowers every dot to a kernel whose operands are whole buffers, so the XLA form of decode
-// attention first copies each row's window [W, G, H] out of the [S+1, M, G, H] cache, every layer,
-// every step. This kernel takes the cache buffer and the slot ids and reads the window in place.
+// attention first gathers each row's window [W, G, H] out of the cache, every layer, every step. This
+// kernel takes the pool of pages and the block table and reads the window where it lies.
 //
-//   q     [B, T, N, H] f32     queries (RoPE applied)
-//   k, v  [S+1, M, G, H] f32   one layer's cache, this step's keys/values already written
-//   slots [B] s32              the cache slot of each row
-//   mask  [B, T, W] pred       which window positions each query sees
-//   out   [B, T, N, H] f32     softmax(q·k / sqrt(H), masked) · v, over positions [0, W) of the row's slot
+//   q      [B, T, N, H] f32       queries (RoPE applied)
+//   k, v   [Np, P, G, H] f32      one layer's pool of pages, this step's keys/values already written
+//   table  [B, ceil(W/P)] s32     position w of row b lies in page table[b, w / P], offset w % P
+//   mask   [B, T, W] pred         which window positions each query sees
+//   out    [B, T, N, H] f32       softmax(q·k / sqrt(H), masked) · v, over positions [0, W) of the row
 //
+// A per-slot cache [S+1, M, G, H] is the case P = M with table = slot ids [B, 1] (one page a slot).
 // A row whose mask is all false averages the whole window, as the XLA form does (every score is
 // the same large negative number there). Query head n reads kv head n / (N / G).
 #include <Python.h>
@@ -77,21 +78,42 @@ static inline __attribute__((always_inline)) float ExpNonPositive(float x) {
   return p * two_to_n * in_range;
 }
 
-// One query row: its query vector [H], its mask row [W], where its output [H] goes, position 0 of the
-// kv head it reads in its row's slot (position w at k + w·stride), how many leading positions it attends
-// over (one past the last it sees, as positions after that add exact zeros, or W if it sees none), and its
-// partial results, one per chunk of positions it attends (see Partial).
+// One query row: its query vector [H], its mask row [W], where its output [H] goes, its row's block table
+// [ceil(W/P)], the offset of the kv head it reads within a position (g·H), how many leading positions it
+// attends over (one past the last it sees, as positions after that add exact zeros, or W if it sees none), and
+// its partial results, one per chunk of positions it attends (see Partial).
 struct Query {
   const float* q;
   const bool* sees;
   float* out;
-  const float* k;
-  const float* v;
-  const float* k_slot;  // position 0, kv head 0 of the row's slot (a whole position's keys at k_slot + w·stride)
-  const float* v_slot;
+  const int32_t* pages;
+  int64_t head;
   int64_t w_end;
   float* partials;
 };
+
+// The pool of pages of one layer: position `offset` of page `page` starts (all kv heads) at
+// k + (page·P + offset)·stride, stride = G·H floats.
+struct Pool {
+  const float* k;
+  const float* v;
+  int64_t page_size;
+  int64_t stride;
+};
+
+// Where positions [from, to) of a row lie in the pool: offsets[w - from] = floats from the pool's start to
+// position w (all kv heads). Filled page run by page run: the page is looked up once per run of up to P
+// contiguous positions, whose offsets then step by the stride.
+static inline __attribute__((always_inline)) void PositionOffsets(const int32_t* pages, const Pool& pool,
+                                                                  int64_t from, int64_t to, int64_t* offsets) {
+  for (int64_t first = from; first < to;) {
+    const int64_t page = first / pool.page_size, in_page = first - page * pool.page_size;
+    const int64_t end = std::min(to, first + pool.page_size - in_page);
+    int64_t offset = (static_cast<int64_t>(pages[page]) * pool.page_size + in_page) * pool.stride;
+    for (int64_t w = first; w < end; ++w, offset += pool.stride) offsets[w - from] = offset;
+    first = end;
+  }
+}
 
 // One past the last true entry of mask[0, w_len), or w_len if there is none (a query that sees nothing
 // averages the whole window, as in the XLA form). Scans from the end, eight bytes at a time.
@@ -172,38 +194,40 @@ static inline __attribute__((always_inline)) void Prefetch(const float* p, int64
   for (int64_t f = 0; f < h; f += 16) __builtin_prefetch(p + f, 0, 3);
 }
 
-// Attend queries[0, count), which share one row's slot (each reads its kv head at k, v; stride), over chunk c
+// Attend queries[0, count), which share one row's block table (each reads its kv head), over chunk c
 // (positions [c·kChunk, (c + 1)·kChunk) ∩ [0, w_end)), writing each attending query's partial for the chunk.
+// Where the chunk's positions lie is worked out once (PositionOffsets) and shared by the queries.
 // scores is scratch [count, kChunk]. kH > 0 fixes the head dim at compile time (the query and the
 // accumulator live in registers); kH = 0 takes it at run time. Each query is computed on its own, by the same
 // operations in the same order, whatever B, T, the other queries or the split over threads are.
 template <int64_t kH>
 static inline __attribute__((always_inline)) void AttendChunkBody(const Query* queries, int64_t count, int64_t c,
-                                                                  int64_t stride, int64_t h_run_time, float scale,
-                                                                  float* __restrict scores) {
+                                                                  const Pool& pool, int64_t h_run_time,
+                                                                  float scale, float* __restrict scores) {
   constexpr int64_t kMaxChunks = (kH > 0 ? kH : kMaxHeadDim) / 8;
   const int64_t h = kH > 0 ? kH : h_run_time;
   const int64_t chunks = h / 8;
   const float masked = std::numeric_limits<float>::lowest();  // the XLA form's finfo(float32).min
-  const float* __restrict k_slot = queries[0].k_slot;
-  const float* __restrict v_slot = queries[0].v_slot;
+  const int64_t stride = pool.stride;
   const int64_t w_begin = c * kChunk;
   int64_t w_max = w_begin;  // one past the last position any query attends in this chunk
   for (int64_t i = 0; i < count; ++i) w_max = std::max(w_max, std::min(w_begin + kChunk, queries[i].w_end));
   if (w_max == w_begin) return;
+  int64_t offsets[kChunk];  // position w's keys (values) at pool.k (pool.v) + offsets[w - w_begin], all kv heads
+  PositionOffsets(queries[0].pages, pool, w_begin, w_max, offsets);
   // 1. scores[i, w - w_begin] = q_i · k_w / sqrt(H), or `masked`; four positions in flight, each its own Dot.
   //    While a tile's keys are used, the next tile's keys and this tile's values are fetched.
   for (int64_t tile = w_begin; tile < w_max; tile += kTile) {
-    for (int64_t w = tile + kTile; w < std::min(tile + 2 * kTile, w_max); ++w) Prefetch(k_slot + w * stride, stride);
-    for (int64_t w = tile; w < std::min(tile + kTile, w_max); ++w) Prefetch(v_slot + w * stride, stride);
+    for (int64_t w = tile + kTile; w < std::min(tile + 2 * kTile, w_max); ++w) Prefetch(pool.k + offsets[w - w_begin], stride);
+    for (int64_t w = tile; w < std::min(tile + kTile, w_max); ++w) Prefetch(pool.v + offsets[w - w_begin], stride);
     for (int64_t i = 0; i < count; ++i) {
       const bool* __restrict sees_i = queries[i].sees;
-      const float* __restrict k_i = queries[i].k;
       float* __restrict scores_i = scores + i * kChunk - w_begin;
       const int64_t tile_end = std::min(tile + kTile, queries[i].w_end);
       F8 q_chunks[kMaxChunks];
       for (int64_t m = 0; m < chunks; ++m) q_chunks[m] = Load8(queries[i].q + 8 * m);
-      auto lanes_at = [&](int64_t w) { return DotLanes(q_chunks, k_i + w * stride, chunks); };
+      const float* __restrict k_i = pool.k + queries[i].head;  // + offsets[w - w_begin]: position w, this kv head
+      auto lanes_at = [&](int64_t w) { return DotLanes(q_chunks, k_i + offsets[w - w_begin], chunks); };
       int64_t w = tile;
       for (; w + 4 <= tile_end; w += 4) {  // four positions side by side
         const F4 dots = FoldFour(lanes_at(w), lanes_at(w + 1), lanes_at(w + 2), lanes_at(w + 3)) * scale;
@@ -241,14 +265,14 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
   for (int64_t tile = w_begin; tile < w_max; tile += kTile) {
     for (int64_t i = 0; i < count; ++i) {
       const float* __restrict e_i = scores + i * kChunk - w_begin;
-      const float* __restrict v_i = queries[i].v;
       float* acc_i = queries[i].partials + c * PartialSize(h) + kPartialHeader;
       const int64_t tile_end = std::min(tile + kTile, queries[i].w_end);
       if (tile >= tile_end) continue;
       F8 acc[kMaxChunks];
       for (int64_t m = 0; m < chunks; ++m) acc[m] = tile == w_begin ? F8{} : Load8(acc_i + 8 * m);
+      const float* __restrict v_i = pool.v + queries[i].head;  // + offsets[w - w_begin]: position w, this kv head
       for (int64_t w = tile; w < tile_end; ++w) {
-        const float* __restrict v_w = v_i + w * stride;
+        const float* __restrict v_w = v_i + offsets[w - w_begin];
         for (int64_t m = 0; m < chunks; ++m) acc[m] += e_i[w] * Load8(v_w + 8 * m);
       }
       for (int64_t m = 0; m < chunks; ++m) std::memcpy(acc_i + 8 * m, &acc[m], sizeof(F8));
@@ -287,8 +311,8 @@ static inline __attribute__((always_inline)) void MergeBody(const Query& query, 
 // The entry points: the head dims of the supported models unrolled, any other (a multiple of 8) at run
 // time; each is JAXSPEC_CLONES (per-CPU variants where the platform has them: target_clones.h).
 #define JAXSPEC_ATTEND_ARGS \
-  const Query *queries, int64_t count, int64_t c, int64_t stride, int64_t h, float scale, float *scores
-#define JAXSPEC_ATTEND_CALL queries, count, c, stride, h, scale, scores
+  const Query *queries, int64_t count, int64_t c, const Pool &pool, int64_t h, float scale, float *scores
+#define JAXSPEC_ATTEND_CALL queries, count, c, pool, h, scale, scores
 
 JAXSPEC_CLONES void AttendChunkH64(JAXSPEC_ATTEND_ARGS) {
   AttendChunkBody<64>(JAXSPEC_ATTEND_CALL);
@@ -328,7 +352,8 @@ struct SharedWork {
   std::vector<int64_t> unit_pieces, unit_chunks;  // unit u is (piece unit_pieces[u], chunk unit_chunks[u])
   float* partials = nullptr;  // [queries, chunks of the window, PartialSize(H)]: the calling thread's scratch
   std::vector<float> owned_partials;  // the partials of a call too large for that scratch
-  int64_t stride, h, largest_piece;
+  Pool pool;
+  int64_t h, largest_piece;
   float scale;
   std::atomic<int64_t> next_unit{0};
   std::atomic<int64_t> units_done{0};
@@ -341,7 +366,7 @@ struct SharedWork {
     float* scores = ScratchFloats(t_kept_scores, owned_scores, static_cast<size_t>(largest_piece * kChunk));
     for (int64_t u = next_unit.fetch_add(1); u < units(); u = next_unit.fetch_add(1)) {
       const int64_t p = unit_pieces[u];
-      attend(queries.data() + piece_starts[p], piece_starts[p + 1] - piece_starts[p], unit_chunks[u], stride, h,
+      attend(queries.data() + piece_starts[p], piece_starts[p + 1] - piece_starts[p], unit_chunks[u], pool, h,
              scale, scores);
       units_done.fetch_add(1, std::memory_order_release);
     }
@@ -353,37 +378,48 @@ struct SharedWork {
   }
 };
 
-ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                              ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> slots,
+ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                              ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_table,
                               ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
-  const auto kd = k_cache.dimensions();
+  const auto kd = k_pages.dimensions();
   const auto md = mask.dimensions();
-  const auto vd = v_cache.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || md.size() != 3 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end())) {
-    return ffi::Error::InvalidArgument("cache_attention: expected q [B,T,N,H], k and v [S+1,M,G,H], mask [B,T,W]");
+  const auto vd = v_pages.dimensions();
+  const auto td = block_table.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || md.size() != 3 || td.size() != 2 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end())) {
+    return ffi::Error::InvalidArgument(
+        "paged attention: expected q [B,T,N,H], k and v pages [Np,P,G,H], block table [B,ceil(W/P)], mask [B,T,W]");
   }
   const int64_t b_rows = qd[0], t_len = qd[1], n_heads = qd[2], h_dim = qd[3];
-  const int64_t s_slots = kd[0], m_len = kd[1], g_heads = kd[2];
+  const int64_t num_pages = kd[0], page_size = kd[1], g_heads = kd[2];
   const int64_t w_len = md[2];
-  if (kd[3] != h_dim || md[0] != b_rows || md[1] != t_len || w_len > m_len || g_heads <= 0 ||
-      n_heads % g_heads != 0 || slots.element_count() != static_cast<size_t>(b_rows)) {
-    return ffi::Error::InvalidArgument("cache_attention: shapes do not agree");
+  if (kd[3] != h_dim || md[0] != b_rows || md[1] != t_len || g_heads <= 0 || n_heads % g_heads != 0) {
+    return ffi::Error::InvalidArgument("paged attention: shapes do not agree");
   }
   if (h_dim <= 0 || h_dim > kMaxHeadDim || h_dim % 8 != 0) {
-    return ffi::Error::InvalidArgument("cache_attention: head dim " + std::to_string(h_dim) +
+    return ffi::Error::InvalidArgument("paged attention: head dim " + std::to_string(h_dim) +
                                        " is not a multiple of 8 in [8, " + std::to_string(kMaxHeadDim) + "]");
   }
-  for (int64_t b = 0; b < b_rows; ++b) {
-    const int64_t slot = slots.typed_data()[b];
-    if (slot < 0 || slot >= s_slots) {
-      return ffi::Error::InvalidArgument("cache_attention: slot id " + std::to_string(slot) + " outside the cache");
+  const int64_t window_pages = page_size > 0 ? (w_len + page_size - 1) / page_size : -1;
+  if (page_size <= 0 || td[0] != b_rows || td[1] != window_pages) {
+    return ffi::Error::InvalidArgument("paged attention: block table [" + std::to_string(td[0]) + ", " +
+                                       std::to_string(td[1]) + "] is not [B, ceil(W / P)] = [" +
+                                       std::to_string(b_rows) + ", " + std::to_string(window_pages) + "]");
+  }
+  for (int64_t e = 0; e < b_rows * window_pages; ++e) {
+    const int64_t page = block_table.typed_data()[e];
+    if (page < 0 || page >= num_pages) {
+      return ffi::Error::InvalidArgument("paged attention: block table entry [" + std::to_string(e / window_pages) +
+                                         ", " + std::to_string(e % window_pages) + "] = " + std::to_string(page) +
+                                         " names no page of the pool (pages 0.." + std::to_string(num_pages - 1) +
+                                         "; a per-slot cache's pages are its slots)");
     }
   }
   const int64_t r_per_kv_head = n_heads / g_heads;
   const int64_t window_chunks = (w_len + kChunk - 1) / kChunk;
   auto work = std::make_shared<SharedWork>();
-  work->stride = g_heads * h_dim;  // floats between consecutive positions of one slot
+  work->pool = Pool{k_pages.typed_data(), v_pages.typed_data(), page_size, g_heads * h_dim};
   work->h = h_dim;
   work->scale = 1.0f / std::sqrt(static_cast<float>(h_dim));
   std::vector<int64_t> w_ends(static_cast<size_t>(b_rows * t_len));  // per query token, shared by its N heads
@@ -400,7 +436,7 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   // core, and the caller takes one); a row of T·N queries is cut into pieces (about two units per worker)
   // when there are fewer (row, chunk) units than that and the row is large
   const int64_t row_queries = t_len * n_heads;
-  const int64_t threads = pairs < kPairsWorthAThread ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t threads = pairs < kPairsWorthAThread ? 1 : std::max<int64_t>(1, thread_pool.num_threads());
   const int64_t pieces = threads == 1 || row_queries < kQueriesWorthASplit
                              ? 1
                              : std::min(row_queries, std::max<int64_t>(1, (2 * threads + row_units - 1) / row_units));
@@ -411,9 +447,7 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                                  static_cast<size_t>(queries * window_chunks * PartialSize(h_dim)));
   work->queries.reserve(static_cast<size_t>(queries));
   for (int64_t b = 0; b < b_rows; ++b) {
-    const int64_t slot = slots.typed_data()[b];
-    const float* k_slot = k_cache.typed_data() + slot * m_len * g_heads * h_dim;
-    const float* v_slot = v_cache.typed_data() + slot * m_len * g_heads * h_dim;
+    const int32_t* pages = block_table.typed_data() + b * window_pages;  // the row's table
     for (int64_t g = 0; g < g_heads; ++g) {
       for (int64_t j = 0; j < t_len * r_per_kv_head; ++j) {  // query head n = g·R + r reads kv head g
         const int64_t t = j / r_per_kv_head, n = g * r_per_kv_head + j % r_per_kv_head;
@@ -428,14 +462,14 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
         const bool* sees = mask.typed_data() + (b * t_len + t) * w_len;  // shared by the N heads
         const int64_t row = (b * t_len + t) * n_heads + n;
         work->queries.push_back(Query{q.typed_data() + row * h_dim, sees, out->typed_data() + row * h_dim,
-                                      k_slot + g * h_dim, v_slot + g * h_dim, k_slot, v_slot, w_ends[b * t_len + t],
+                                      pages, g * h_dim, w_ends[b * t_len + t],
                                       work->partials + index * window_chunks * PartialSize(h_dim)});
       }
     }
   }
   work->piece_starts.push_back(static_cast<int64_t>(work->queries.size()));
   const int64_t units = work->units();
-  for (int64_t i = 0; i < std::min(threads - 1, units - 1); ++i) pool.Schedule([work] { work->Run(); });
+  for (int64_t i = 0; i < std::min(threads - 1, units - 1); ++i) thread_pool.Schedule([work] { work->Run(); });
   work->Run();
   // every unit is claimed now, each by a worker that is running it: wait for those to finish, then merge
   while (work->units_done.load(std::memory_order_acquire) < units) std::this_thread::yield();
@@ -445,23 +479,23 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecCacheAttention, CacheAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()         // XLA:CPU's intra-op threads
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block table
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
                                   .Ret<ffi::Buffer<ffi::F32>>()); // out
 
 // The Python module: `handler()` returns the XLA FFI handler as a PyCapsule for jax.ffi.register_ffi_target.
 static PyObject* Handler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&JaxspecCacheAttention), nullptr, nullptr);
+  return PyCapsule_New(reinterpret_cast<void*>(&JaxspecPagedAttention), nullptr, nullptr);
 }
 
 static PyMethodDef kMethods[] = {
-    {"handler", Handler, METH_NOARGS, "The cache-attention XLA FFI handler (a PyCapsule)."},
+    {"handler", Handler, METH_NOARGS, "The paged-attention XLA FFI handler (a PyCapsule)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
