@@ -150,7 +150,8 @@ def test_a_long_random_run_returns_every_page():
         slot = int(rng.integers(0, 6))
         action = rng.random()
         if action < 0.3:
-            prompt = systems[rng.integers(0, 3)][:int(rng.integers(0, 13))] + list(rng.integers(0, 50, rng.integers(1, 20)))
+            shared = systems[rng.integers(0, 3)][:int(rng.integers(0, 13))]
+            prompt = shared + list(rng.integers(0, 50, rng.integers(1, 20)))
             cached = pool.admit(slot, prompt)
             if cached is not None:
                 assert cached % P == 0 and cached < len(prompt)

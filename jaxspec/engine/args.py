@@ -83,6 +83,14 @@ class EngineArgs:
     no_overlap: bool = _flag(False, "run the synchronous decode loop: read each step's tokens before dispatching the "
                              "next (the default overlaps them: docs/design.md, 'The overlapped loop'); for comparison",
                              shown="overlapped", action="store_true")
+    num_pages: int | None = _flag(
+        None, "pages of the target's paged KV cache (the cache's memory; requests are admitted while their "
+        "prompts' pages are free, and the youngest is preempted when a step finds none): docs/design.md, "
+        "'Paged KV cache'", shown="the engine config's num_pages, else what num_slots + 1 slots of max_len take",
+        type=int, metavar="N")
+    no_prefix_cache: bool = _flag(False, "do not share the KV pages of prompt prefixes between requests (each "
+                                  "prompt is computed whole): docs/design.md, 'Prefix caching'",
+                                  shown="shared", action="store_true")
     logprobs: int = _flag(0, "N in 1..20: every step also returns the emitted tokens' log-probabilities under the "
                           "target and their top N alternatives, so requests may ask for logprobs (up to N "
                           "top_logprobs); 0 = off (the default step computes none)", type=int, metavar="N")
@@ -106,6 +114,8 @@ class EngineArgs:
         if self.mesh is not None:
             MeshSpec.parse(self.mesh)  # a bad mesh fails here too
         self.kernel_choice()  # a bad --kernels (or $JAXSPEC_KERNELS) fails here too
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"--num-pages must be >= 2 (page 0 is scratch), got {self.num_pages}")
         if self.tree is not None:
             self.tree_envelope()  # a bad envelope fails here too
             if self.proposer not in ("ngram", "draft", "suffix"):
@@ -129,9 +139,11 @@ class EngineArgs:
         return None if self.tree is None else TreeEnvelope.parse(self.tree)
 
     def engine_menu(self, menu):
-        """`menu` with the --tree envelope in it (if any), then only the k values the policy can pick."""
+        """`menu` with --num-pages and the --tree envelope in it (if any), then only the k values the policy can
+        pick."""
         tree = self.tree_envelope()
         menu = menu if tree is None else menu.with_tree(tree)
+        menu = menu if self.num_pages is None else menu.replace(num_pages=self.num_pages)
         return menu.with_k_menu(self.policy_spec().k_values(menu.k_menu))
 
     def kernel_choice(self) -> KernelChoice:

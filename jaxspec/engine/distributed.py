@@ -5,7 +5,7 @@ starts `jax.distributed` (gloo collectives on CPU) before anything touches a dev
 every process's devices and the engine's mesh (jaxspec.mesh) may span processes. Each process builds the
 same engine (same flags, same menu). Process 0, the *leader*, runs the command as in one process (the
 scheduler, the policy, the gRPC server, the batch job) on a `LeaderEngine`: before each call that changes
-engine state (warmup, prefill_chunk, step, dispatch_step and the reading of a dispatched step, free, reset; a
+engine state (warmup, admit, prefill_chunk, step, dispatch_step and the reading of a dispatched step, free, reset; a
 step's draft catch-up runs inside it) it sends
 the call and its host arguments to every other process, then makes it itself. The others, *followers*, run
 `follow(engine, link)`: they make each received call on their own engine, so every process calls the same
@@ -57,7 +57,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from jaxspec.engine.api import EngineAPI, prefill_prompt
+from jaxspec.engine.api import EngineAPI, PagesExhaustedError, prefill_prompt
 from jaxspec.menu import CapacityError, CatchUpKey, MenuMissError, PrefillKey, ShapeKey, StepKey
 from jaxspec.types import SamplingParams, StepResult
 
@@ -72,9 +72,10 @@ HEARTBEAT_TIMEOUT_S = 10  # jax.distributed: a process silent this long is dead 
 CONNECT_TIMEOUT_S = 120  # processes starting up: jax.distributed.initialize and the control channel
 SHUTDOWN_TIMEOUT_S = 60  # jax.distributed's shutdown barrier at exit
 FAILURE_GRACE_S = 3.0  # after a failed engine call: time for a peer's death or error report to arrive
-DETERMINISTIC_ERRORS = (CapacityError, MenuMissError)  # raised on the host before device work, alike everywhere
+# raised on the host before device work, alike everywhere (the page pools are mirrored too)
+DETERMINISTIC_ERRORS = (CapacityError, MenuMissError, PagesExhaustedError)
 # what followers mirror (reading a dispatched step moves the host mirrors that choose the next step's shape)
-MUTATING_CALLS = ("warmup", "prefill_chunk", "step", "dispatch_step", "read_step", "free", "reset")
+MUTATING_CALLS = ("warmup", "admit", "prefill_chunk", "step", "dispatch_step", "read_step", "free", "reset")
 KEY_TYPES = {cls.__name__: cls for cls in (StepKey, PrefillKey, CatchUpKey)}
 
 
@@ -393,12 +394,17 @@ class LeaderEngine:
         encoded = None if keys is None else [encode_key(k) for k in keys]
         return self._run("warmup", {"keys": encoded}, lambda: self.engine.warmup(keys, progress=progress))
 
+    def admit(self, slot: int, prompt: Sequence[int]) -> int | None:
+        args = {"slot": int(slot), "prompt": [int(t) for t in prompt]}
+        return self._run("admit", args, lambda: self.engine.admit(slot, prompt))
+
     def prefill_chunk(self, slot: int, tokens: np.ndarray, start: int, is_last: bool,
-                      params: SamplingParams, seed: int) -> int | None:
+                      params: SamplingParams, seed: int, generated: int = 0) -> int | None:
         args = {"slot": int(slot), "tokens": [int(t) for t in np.asarray(tokens).reshape(-1)], "start": int(start),
-                "is_last": bool(is_last), "params": encode_params(params), "seed": int(seed)}
+                "is_last": bool(is_last), "params": encode_params(params), "seed": int(seed),
+                "generated": int(generated)}
         return self._run("prefill_chunk", args,
-                         lambda: self.engine.prefill_chunk(slot, tokens, start, is_last, params, seed))
+                         lambda: self.engine.prefill_chunk(slot, tokens, start, is_last, params, seed, generated))
 
     def prefill(self, slot: int, prompt: Sequence[int], params: SamplingParams, seed: int | None = None) -> int:
         """Whole-prompt prefill through the mirrored `prefill_chunk` (`engine_api.prefill_prompt`)."""
@@ -437,6 +443,9 @@ class LeaderEngine:
 
     def first_token_logprobs(self, slot: int):
         return self.engine.first_token_logprobs(slot)
+
+    def page_stats(self):
+        return self.engine.page_stats()
 
     def room(self, slot: int) -> int:
         return self.engine.room(slot)
@@ -568,10 +577,12 @@ def _apply(engine: EngineAPI, call: str, args: dict[str, Any], dispatched: dict[
     if call == "warmup":
         keys = None if args["keys"] is None else [decode_key(k) for k in args["keys"]]
         engine.warmup(keys, progress=False)
+    elif call == "admit":
+        engine.admit(args["slot"], args["prompt"])
     elif call == "prefill_chunk":
         tokens = np.asarray(args["tokens"], np.int32)  # [n]
         engine.prefill_chunk(args["slot"], tokens, args["start"], args["is_last"], decode_params(args["params"]),
-                             args["seed"])
+                             args["seed"], args["generated"])
     elif call == "step":
         engine.step(args["slot_ids"], args["k"], args["row_k"])
     elif call == "dispatch_step":

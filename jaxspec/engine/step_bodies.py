@@ -119,8 +119,8 @@ class StepBodies:
                 valid = jnp.arange(k)[None, :] < jnp.minimum(nodes.lens, row_k)[:, None]  # [B, k]
                 rooted = tree_lib.with_root(nodes, valid)  # tokens, parents, depth: [B, k+1]
                 logits, cache = target.forward_cached(
-                    tree_lib.tree_inputs(pending, rooted, slot_ids, start, tree.depth, block_table), state.cache, window,
-                    layers=layers, kernels=self.kernels)  # [B, k+1, V]
+                    tree_lib.tree_inputs(pending, rooted, slot_ids, start, tree.depth, block_table), state.cache,
+                    window, layers=layers, kernels=self.kernels)  # [B, k+1, V]
                 out, counts, path = verify_tree(logits, *rooted, ctx.rows, tree.depth)
                 # out[:, j] was drawn at the path's node of depth j: emitted_logits [B, k+1, V]
                 node = path[:, jnp.minimum(jnp.arange(k + 1), tree.depth)]  # [B, k+1]

@@ -394,9 +394,9 @@ class Scheduler:
             with self._lock:
                 self._waiting.popleft()
             if cached is None:  # even an empty pool cannot hold it
-                stats = self.engine.page_stats()
-                self._finish(live, FinishReason.ERROR, f"a context of {len(live.context)} tokens does not fit the KV "
-                                                       f"page pool ({stats.total} pages of {self.engine.menu.page_size})")
+                pool = f"{self.engine.page_stats().total} pages of {self.engine.menu.page_size}"
+                self._finish(live, FinishReason.ERROR,
+                             f"a context of {len(live.context)} tokens does not fit the KV page pool ({pool})")
                 continue
             live.slot, live.prefilled = slot, cached
             self._slots[slot] = live

@@ -658,8 +658,7 @@ class OpenAIServer:
         completion = sum(len(r.token_ids) for r in results)
         self.server.metrics.record_latency(time.perf_counter() - started)
         return JSONResponse({**head, "choices": choices,
-                             "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion,
-                                       "total_tokens": prompt_len + completion}})
+                             "usage": usage(prompt_len, completion, [r.cached_prompt_tokens for r in results])})
 
     async def _stream(self, handles: list[RequestHandle], head: dict, prompt_len: int, chat: bool,
                       include_usage: bool, outcome: dict, want_logprobs: bool) -> AsyncIterator[dict]:
@@ -667,7 +666,7 @@ class OpenAIServer:
         finish_reason, the usage chunk when asked, then [DONE]. Sets outcome["status"] when it ends."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         extra = {"usage": None} if include_usage else {}
-        completion = 0
+        completion, cached = 0, []
         views = [LogprobsView(self.server.tokenizer, chat) for _ in handles]
 
         def chunk(index: int, text: str | None, finish: str | None = None, logprobs: tuple = (), **fields) -> dict:
@@ -695,16 +694,22 @@ class OpenAIServer:
                 yield {"data": json.dumps(error.body())}
                 return
             completion += len(result.token_ids)
+            cached.append(result.cached_prompt_tokens)
             logprobs = LogprobsView.shown(event.logprobs, result.finish_reason)
             if event.text or logprobs:
                 yield chunk(index, event.text, logprobs=logprobs)
             yield chunk(index, None, FINISH_REASONS[result.finish_reason], jaxspec=speculation_stats(result))
         if include_usage:
-            yield {"data": json.dumps({**head, "choices": [], "usage": {
-                "prompt_tokens": prompt_len, "completion_tokens": completion,
-                "total_tokens": prompt_len + completion}})}
+            yield {"data": json.dumps({**head, "choices": [], "usage": usage(prompt_len, completion, cached)})}
         outcome["status"] = 200
         yield {"data": "[DONE]"}
+
+
+def usage(prompt_len: int, completion: int, cached: list[int]) -> dict:
+    """The response's `usage`: the prompt counted once; its cached tokens are those every choice was served from
+    the prefix cache (the fewest)."""
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion,
+            "prompt_tokens_details": {"cached_tokens": min(cached, default=0)}}
 
 
 class _ClosingEventSource(EventSourceResponse):

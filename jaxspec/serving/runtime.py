@@ -87,8 +87,11 @@ def assemble_engine(engine_args: EngineArgs, menu: Menu,
                                                  stop_strings_allowed=True))
     proposer = build_proposer(engine_args.proposer, built.model, engine_args.draft, ngram=engine_args.ngram, mesh=mesh,
                               kernels=kernels, suffix=engine_args.suffix_config())
-    engine = Engine(built.model, proposer, menu, mesh=mesh, kernels=kernels, logprobs=engine_args.logprobs)
+    engine = Engine(built.model, proposer, menu, mesh=mesh, kernels=kernels, logprobs=engine_args.logprobs,
+                    prefix_cache=not engine_args.no_prefix_cache)
     print(f"kernels: {engine.kernels.describe()}", file=sys.stderr)
+    if engine.prefix_cache_note:
+        print(engine.prefix_cache_note, file=sys.stderr)
     if mesh.size > 1:
         print(f"mesh {mesh}: {mesh.size} {engine.mesh.devices.flat[0].platform} devices", file=sys.stderr)
     for note in engine.sharding_notes:  # what was replicated or padded to fit the mesh (jaxspec.models.sharding)

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # the EngineArgs fields ServeConfig has
 ENGINE_FLAGS = ("model", "proposer", "draft", "policy", "menu", "tokenizer", "dtype", "mesh", "tree", "kernels",
-                "no_overlap", "logprobs")
+                "no_overlap", "logprobs", "num_pages", "no_prefix_cache")
 
 
 def build_server(config: ServeConfig, progress: bool = True,

@@ -30,6 +30,7 @@ class ServeConfig:
         CPU, bfloat16 on GPU/TPU), 'float32', 'bfloat16'; mesh: 'data=D,model=M' (None: the menu's, else 1,1);
         tree: a token-tree envelope 'N[:D]' for the ngram proposer (None: chains only); kernels: 'auto' or
         'xla' (None: $JAXSPEC_KERNELS, else auto); no_overlap: the synchronous scheduler loop (`--no-overlap`);
+        num_pages, no_prefix_cache: the paged KV cache's pages and prefix sharing (`--num-pages`, `--no-prefix-cache`);
         logprobs: N > 0 lets requests ask for log-probabilities (at most N top alternatives), 0 = off
     host:               the address gRPC and HTTP bind; off loopback, plain text (no tls_cert) needs allow_plaintext
     port:               gRPC (jaxspec.v1.Generation); 0 = off
@@ -66,6 +67,8 @@ class ServeConfig:
     kernels: str | None = None
     no_overlap: bool = False
     logprobs: int = 0
+    num_pages: int | None = None
+    no_prefix_cache: bool = False
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
@@ -124,7 +127,8 @@ class ServeConfig:
         """The engine this config names (ValueError for a bad proposer, tokenizer or policy)."""
         return EngineArgs(model=self.model, proposer=self.proposer, draft=self.draft, policy=self.policy,
                           menu=self.menu, tokenizer=self.tokenizer, dtype=self.dtype, mesh=self.mesh,
-                          tree=self.tree, kernels=self.kernels, no_overlap=self.no_overlap, logprobs=self.logprobs)
+                          tree=self.tree, kernels=self.kernels, no_overlap=self.no_overlap, logprobs=self.logprobs,
+                          num_pages=self.num_pages, no_prefix_cache=self.no_prefix_cache)
 
 
 def load_serve_config(path: str | Path | None = None, **overrides) -> ServeConfig:

@@ -92,7 +92,8 @@ def _stats(result: RequestResult) -> pb.RequestStats:
     t = result.timings
     stats = pb.RequestStats(prompt_tokens=result.prompt_len, completion_tokens=len(result.token_ids),
                             steps=len(result.steps), proposed_tokens=result.proposed,
-                            accepted_tokens=result.accepted, total_s=t.total_s, seed=result.seed)
+                            accepted_tokens=result.accepted, total_s=t.total_s, seed=result.seed,
+                            cached_prompt_tokens=result.cached_prompt_tokens)
     for name, value in (("acceptance", result.acceptance_rate), ("time_to_first_token_s", t.ttft_s),
                         ("time_per_output_token_s", t.tpot_s), ("queued_s", t.queued_s)):
         if value is not None:

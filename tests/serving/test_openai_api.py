@@ -115,6 +115,10 @@ def test_chat_at_temperature_0_equals_grpc_and_reports_usage(served, client):
                                            temperature=0, ignore_eos=True))
     assert choice.message.content == "".join(e.text for e in events)
     assert reply.usage.prompt_tokens == events[-1].stats.prompt_tokens
+    # the gRPC call came after the HTTP one with the same prompt: its full pages were served from the prefix cache
+    page = 16
+    assert reply.usage.prompt_tokens_details.cached_tokens % page == 0
+    assert events[-1].stats.cached_prompt_tokens == (reply.usage.prompt_tokens - 1) // page * page > 0
 
 
 def test_completion_streams_the_same_text_with_usage(client):

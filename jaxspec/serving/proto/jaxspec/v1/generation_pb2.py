@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bjaxspec/v1/generation.proto\x12\njaxspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb5\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.jaxspec.v1.ChatMessage\x12\r\n\x05model\x18\x03 \x01(\t\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedJ\x04\x08\n\x10\x0bR\x06stream\"\xec\x02\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x17\n\x0fproposed_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x17\n\nacceptance\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x15time_to_first_token_s\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12$\n\x17time_per_output_token_s\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x15\n\x08queued_s\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x0f\n\x07total_s\x18\n \x01(\x01\x12\x0c\n\x04seed\x18\x0b \x01(\x03\x42\r\n\x0b_acceptanceB\x18\n\x16_time_to_first_token_sB\x1a\n\x18_time_per_output_token_sB\x0b\n\t_queued_s\"\xa1\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.jaxspec.v1.FinishReason\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.jaxspec.v1.RequestStats\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"\xa8\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x10\n\x08proposer\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x0e\n\x06k_menu\x18\x07 \x03(\x05\x12\x15\n\rchat_template\x18\x08 \x01(\x08\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.jaxspec.v1.ModelInfo*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.jaxspec.v1.GenerateRequest\x1a\x1c.jaxspec.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.jaxspec.v1.ListModelsRequest\x1a\x1e.jaxspec.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bjaxspec/v1/generation.proto\x12\njaxspec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb5\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.jaxspec.v1.ChatMessage\x12\r\n\x05model\x18\x03 \x01(\t\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedJ\x04\x08\n\x10\x0bR\x06stream\"\x8a\x03\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x17\n\x0fproposed_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x17\n\nacceptance\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x15time_to_first_token_s\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12$\n\x17time_per_output_token_s\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x15\n\x08queued_s\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x0f\n\x07total_s\x18\n \x01(\x01\x12\x0c\n\x04seed\x18\x0b \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\x05\x42\r\n\x0b_acceptanceB\x18\n\x16_time_to_first_token_sB\x1a\n\x18_time_per_output_token_sB\x0b\n\t_queued_s\"\xa1\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.jaxspec.v1.FinishReason\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.jaxspec.v1.RequestStats\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"\xa8\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x10\n\x08proposer\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x0e\n\x06k_menu\x18\x07 \x03(\x05\x12\x15\n\rchat_template\x18\x08 \x01(\x08\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.jaxspec.v1.ModelInfo*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.jaxspec.v1.GenerateRequest\x1a\x1c.jaxspec.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.jaxspec.v1.ListModelsRequest\x1a\x1e.jaxspec.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxspec.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1185
-  _globals['_FINISHREASON']._serialized_end=1303
+  _globals['_FINISHREASON']._serialized_start=1215
+  _globals['_FINISHREASON']._serialized_end=1333
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=87
   _globals['_GENERATEREQUEST']._serialized_start=90
   _globals['_GENERATEREQUEST']._serialized_end=399
   _globals['_REQUESTSTATS']._serialized_start=402
-  _globals['_REQUESTSTATS']._serialized_end=766
-  _globals['_GENERATERESPONSE']._serialized_start=769
-  _globals['_GENERATERESPONSE']._serialized_end=930
-  _globals['_LISTMODELSREQUEST']._serialized_start=932
-  _globals['_LISTMODELSREQUEST']._serialized_end=951
-  _globals['_MODELINFO']._serialized_start=954
-  _globals['_MODELINFO']._serialized_end=1122
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1124
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1183
-  _globals['_GENERATION']._serialized_start=1306
-  _globals['_GENERATION']._serialized_end=1468
+  _globals['_REQUESTSTATS']._serialized_end=796
+  _globals['_GENERATERESPONSE']._serialized_start=799
+  _globals['_GENERATERESPONSE']._serialized_end=960
+  _globals['_LISTMODELSREQUEST']._serialized_start=962
+  _globals['_LISTMODELSREQUEST']._serialized_end=981
+  _globals['_MODELINFO']._serialized_start=984
+  _globals['_MODELINFO']._serialized_end=1152
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1154
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1213
+  _globals['_GENERATION']._serialized_start=1336
+  _globals['_GENERATION']._serialized_end=1498
 # @@protoc_insertion_point(module_scope)
