@@ -74,6 +74,16 @@ class ServingMetrics:
         self.running_slots = Gauge(
             f"{PREFIX}_running_slots", "Engine slots holding a request (prefilling or decoding), read at "
             "scrape time.", registry=r)
+        self.kv_pages = Gauge(
+            f"{PREFIX}_kv_pages", "Pages of the target's paged KV cache by state: in_use (held by a request), "
+            "cached (a prompt prefix no request holds, kept for reuse), free; read at scrape time.", ["state"],
+            registry=r)
+        self.preemptions = Gauge(
+            f"{PREFIX}_preemptions", "Requests preempted so far to free KV pages (recomputed later), read at "
+            "scrape time.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            f"{PREFIX}_cached_prompt_tokens", "Prompt tokens served from the prefix cache (not computed) of "
+            "requests that finished.", registry=r)
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Per request that finished normally (eos, length or "
             "stop): seconds from entering the scheduler to its first generated token.",
@@ -138,6 +148,9 @@ class ServingMetrics:
         """Read queue depth and running slots from `scheduler` at scrape time."""
         self.queue_depth.set_function(lambda: scheduler.num_waiting)
         self.running_slots.set_function(lambda: scheduler.num_running)
+        self.preemptions.set_function(lambda: scheduler.preemptions)
+        for state in ("in_use", "cached", "free"):
+            self.kv_pages.labels(state).set_function(lambda state=state: getattr(scheduler.engine.page_stats(), state))
 
     def mark_warm(self) -> None:
         """Warm-up is over: from now on the compile count must stay flat."""
@@ -176,6 +189,7 @@ class ServingMetrics:
 
     def record_result(self, result: RequestResult) -> None:
         t = result.timings
+        self.cached_prompt_tokens.inc(result.cached_prompt_tokens)
         if result.finish_reason in NORMAL_FINISH:
             if t.ttft_s is not None:
                 self.ttft.observe(t.ttft_s)

@@ -277,7 +277,7 @@ def test_prometheus_metrics(served):
              "prompt_tokens_total", "engine_steps_total", "engine_step_seconds", "chosen_k", "proposed_tokens_total",
              "accepted_tokens_total", "position_trials_total", "position_accepted_total", "acceptance_rate",
              "predicted_goodput_tokens_per_second", "realised_goodput_tokens_per_second", "compilations_total",
-             "compilations_after_warmup", "ready"]
+             "compilations_after_warmup", "ready", "kv_pages", "preemptions", "cached_prompt_tokens_total"]
     helps = {line.split()[2]: line for line in text.splitlines() if line.startswith("# HELP ")}
     for name in names:
         help_line = helps[f"jaxspec_{name}"]
@@ -287,6 +287,8 @@ def test_prometheus_metrics(served):
     assert _value(text, "jaxspec_compilations_after_warmup") == 0  # nothing compiled while serving
     assert _value(text, "jaxspec_ready") == 1
     assert _value(text, "jaxspec_queue_depth") == 0 and _value(text, "jaxspec_running_slots") == 0
+    assert _value(text, 'jaxspec_kv_pages{state="in_use"}') == 0 and _value(text, "jaxspec_preemptions") == 0
+    assert _value(text, 'jaxspec_kv_pages{state="free"}') + _value(text, 'jaxspec_kv_pages{state="cached"}') > 0
     steps = _value(text, "jaxspec_engine_steps_total")
     assert steps > 0 and _value(text, "jaxspec_chosen_k_count") == steps
     assert _value(text, 'jaxspec_chosen_k_bucket{le="0.0"}') < steps  # k = 2 was chosen too
