@@ -12,7 +12,8 @@ devices on `model`:
     w_gate_up (column parallel)    [D, P, 2F/P]         P, each group its own gate | up columns
     w_down (row parallel)          [F, D]               F: one all-reduce after the MLP
     norms, final_norm              [D]                  replicated
-    KV cache, per layer            [S', M, G', H]       slots over `data`, kv heads over `model`
+    target KV pages, per layer     [I', X, G', H]       pages over `data`, kv heads over `model`
+    draft KV cache, per layer      [S', M, G, H]        slots over `data`
 
 Grouping the fused projections by shard (`P` groups) keeps every device's q, k and v heads (and
 its gate and up columns) in one contiguous block, so a column split needs no communication.
@@ -129,7 +130,8 @@ def param_spec(name: str, layout: TensorParallelLayout) -> PS:
 
 
 def cache_spec(tensor_parallel: bool) -> PS:
-    """A per-layer cache buffer [S', M, G', H]: slots over `data`, kv heads over `model` (or replicated)."""
+    """A per-layer cache buffer (the target's pages [I', X, G', H], a draft's slots [S', M, G, H]): its first axis
+    over `data`, kv heads over `model` (or replicated)."""
     return PS(DATA, None, MODEL if tensor_parallel else None, None)
 
 
