@@ -243,3 +243,46 @@ def test_the_pallas_kernel_refuses_bad_tables():
             paged_attention(case.q, case.k_pages, case.v_pages, bad, case.mask, interpret=True)
     with pytest.raises(ValueError, match="integer"):
         paged_attention(case.q, case.k_pages, case.v_pages, case.table.astype(jnp.float32), case.mask, interpret=True)
+
+
+@pytest.mark.parametrize("plan", [
+    pytest.param("xla", id="xla"),
+    pytest.param("cpu-cache-kernel", id="cpu-kernel", marks=needs_cpu_kernels),
+    pytest.param("pallas", id="pallas"),
+])
+def test_the_models_cached_forward_over_pages_equals_the_per_slot_cache(plan):
+    """The tiny model's cached forward (a prompt chunk, a chain step, a tree step; every layer writes then reads
+    its window) through a paged cache with shuffled pages in each form of the kernel plan equals the same calls on
+    a per-slot cache in the XLA form."""
+    from jaxspec.models.config import TINY
+    from jaxspec.models.kernel_plan import XLA_PLAN, KernelPlan
+    from jaxspec.models.kv_cache import init_cache, init_paged_cache
+    from jaxspec.models.llama import StepInputs, chain_inputs, random_model
+
+    config = TINY.replace(head_dim=16)  # the Pallas kernel's smallest head dim
+    model = random_model(config, seed=5)
+    window, page = 32, 8
+    rng = np.random.default_rng(3)
+    slots = jnp.array([0, 2], jnp.int32)
+    table = jnp.asarray(rng.permutation(np.arange(1, 13))[:8].reshape(2, 4), jnp.int32)  # [2, W/X], gaps
+    prompt = jnp.asarray(rng.integers(2, config.vocab_size, (2, 12)), jnp.int32)
+    tree_mask = jnp.asarray(_tree(rng, 4))[None].repeat(2, 0)  # [2, 4, 4]
+    depth = jnp.sum(tree_mask, axis=-1).astype(jnp.int32) - 1  # [2, 4]
+
+    def run(cache, kernels, block_table):
+        _, cache = model.forward_cached(chain_inputs(prompt, slots, jnp.zeros(2, jnp.int32), block_table), cache,
+                                        window, kernels=kernels)
+        chain, cache = model.forward_cached(chain_inputs(prompt[:, :3], slots, jnp.full(2, 12), block_table), cache,
+                                            window, kernels=kernels)  # [2, 3, V]
+        tree = StepInputs(prompt[:, 4:8], slots, jnp.full(2, 15), depth, tree_mask, block_table)
+        tree_logits, _ = model.forward_cached(tree, cache, window, kernels=kernels)  # [2, 4, V]
+        return np.asarray(chain), np.asarray(tree_logits)
+
+    want = run(init_cache(config, 3, 64), XLA_PLAN, None)
+    kernels = XLA_PLAN if plan == "xla" else KernelPlan(attention=plan, attention_max_rows=8, interpret=True)
+    pool = init_paged_cache(config, 13, page, 3)
+    pool = pool.__class__(k=tuple(x + 1e30 for x in pool.k), v=tuple(x - 1e30 for x in pool.v),
+                          lengths=pool.lengths)  # garbage everywhere nothing was written
+    got = run(pool, kernels, table)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)

@@ -123,7 +123,7 @@ class Engine:
         self.sharding_notes = layout.notes
         # the kernel plan (jaxspec.models.kernel_plan; docs/design.md, "The kernel plan"): resolved once here, passed
         # to every traced body; a model loaded for another plan's weight layout is refused by serving_split
-        self.kernels = kernel_plan_for(target.config, mesh, kernels, max_len=menu.max_len)
+        self.kernels = kernel_plan_for(target.config, mesh, kernels, page_size=menu.page_size)
         self._placement = serving_placement(self.mesh, layout, self.kernels)
         self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self._cache_config = target.config.replace(num_kv_heads=layout.kv_heads_for(target.config))

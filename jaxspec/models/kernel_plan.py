@@ -92,13 +92,15 @@ def kernel_choice(flag: str | None) -> KernelChoice:
 
 
 def resolve_kernel_plan(config: ModelConfig, backend: str, dtype, mesh_size: int, cache_kv_heads: int,
-                        tensor_parallel: bool, choice: KernelChoice = "auto", max_len: int | None = None) -> KernelPlan:
+                        tensor_parallel: bool, choice: KernelChoice = "auto", max_len: int | None = None,
+                        page_size: int | None = None) -> KernelPlan:
     """The plan for `config` served in `dtype` on `backend` ('cpu', 'gpu' or 'tpu') over `mesh_size` devices.
 
     `cache_kv_heads`: the kv heads the cache holds (G, or G repeated up to the model axis); `tensor_parallel`:
     the layers are split over more than one device (`TensorParallelLayout.groups > 1`).
-    `choice='xla'` takes the XLA form everywhere; `max_len`: the cache's positions per slot, when known (the
-    Pallas kernel reads a slot as pages that must tile it)."""
+    `choice='xla'` takes the XLA form everywhere; `page_size`: the positions per page of a paged cache (the
+    target's); else `max_len`: a per-slot cache's positions per slot, when known (the Pallas kernel reads a slot
+    as pages that must tile it)."""
     notes: list[str] = []
     block_diagonal = (backend == "cpu" and not tensor_parallel
                       and cache_kv_heads <= BLOCK_DIAGONAL_MAX_KV_HEADS)
@@ -139,7 +141,7 @@ def resolve_kernel_plan(config: ModelConfig, backend: str, dtype, mesh_size: int
         limit = pallas_attention.attention_limits(
             platform="gpu", dtype=dtype, head_dim=config.head_dim, num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads, block_tokens=pallas_attention.MAX_STEP_TOKENS,
-            page_size=pallas_attention.SLOT_PAGE_SIZE, max_len=max_len)
+            page_size=page_size or pallas_attention.SLOT_PAGE_SIZE, max_len=None if page_size else max_len)
         if limit is None:
             attention, max_rows = "pallas", pallas_attention.MAX_STEP_TOKENS
         else:
