@@ -78,6 +78,13 @@ def profile_engine(engine, contexts: Sequence[int] | None = None, repeats: int =
         contexts_at = {k: tuple(contexts) for k in c.k_menu}
     else:  # per k, so every (k, W) of the menu is reached even when windows are close together
         contexts_at = {k: default_contexts(c.window_buckets, k) for k in c.k_menu}
+    # every row of the largest batch holds the longest context: its own pages (shared ones would read warm)
+    longest = max(ctx + k + 1 for k, cs in contexts_at.items() for ctx in cs)
+    needed = c.batch_buckets[-1] * c.pages_for(longest)
+    if needed > c.pool_pages - 1:
+        raise ValueError(f"profiling holds {c.batch_buckets[-1]} rows of up to {longest} positions: {needed} KV pages, "
+                         f"but the pool has {c.pool_pages - 1}; profile once with the default pool (a step's cost "
+                         f"does not depend on the pool's size, and the profile is found again without --num-pages)")
     engine.warmup(progress=progress)
 
     vocab = engine.vocab_size
