@@ -46,7 +46,7 @@ from tests.test_sampling_distribution import N, biased_first_token
 ENVELOPE = TreeEnvelope(6, 3)
 CAPS, SLOTS = (6, 6, 2, 0), 512
 MENU = Menu(num_slots=SLOTS, max_len=24, batch_buckets=(SLOTS,), k_menu=(0, ENVELOPE.nodes), window_buckets=(24,),
-            prefill_buckets=(8,)).with_tree(ENVELOPE)
+            prefill_buckets=(8,), page_size=8).with_tree(ENVELOPE)
 
 
 def _first_token_biased(logits, tokens, parents, depth, rows, max_depth):
