@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=ints, default=[1, 8])
     parser.add_argument("--context", type=ints, default=[200, 800])
     parser.add_argument("--repeats", type=int, default=50, help="timed calls per (B, context) per worker")
-    parser.add_argument("--rounds", type=int, default=3, help="old and new workers, alternated")
+    parser.add_argument("--rounds", type=int, default=5, help="old and new workers, alternated")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)

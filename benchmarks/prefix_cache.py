@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model spec or random-weights preset (default: SmolLM2-135M)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--requests", type=int, default=24, help="measured requests (each on both engines)")
+    parser.add_argument("--requests", type=int, default=32, help="measured requests (each on both engines)")
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--max-user", type=int, default=256, help="tokens kept of each user turn (its head)")
     parser.add_argument("--max-tokens", type=int, default=1)
