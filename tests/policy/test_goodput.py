@@ -478,3 +478,17 @@ def test_all_or_nothing_proposals_reach_the_best_fixed_k_with_the_shipped_defaul
     # at the uninformed prior 0.5 and whose request estimates were a fading warm start (tests/policy/
     # test_acceptance.py); now 1-3 %: exploration and estimation noise near a flat optimum (k = 5..8)
     assert result["goodput"] >= 0.96 * best
+
+
+def test_the_log_keeps_predictions_when_the_next_step_is_chosen_before_this_one_is_observed():
+    """The overlapped loop chooses step t+1 before it observes step t: each record still carries the prediction
+    of its own decision (it had none, so two thirds of a bench's goodput records could not be checked)."""
+    p = GoodputPolicy(cost_model(), AcceptanceTracker())
+    v = view(1)
+    first = p.choose(v)
+    second = p.choose(v)
+    for d in (first, second):
+        p.observe(v, d, simulate_result([0.5], allowed_rows(d, 1), np.random.default_rng(0)), 0.01)
+    records = list(p.log)
+    assert [r.k for r in records] == [first.k, second.k]
+    assert all(r.predicted_tokens is not None and r.predicted_seconds is not None for r in records)
