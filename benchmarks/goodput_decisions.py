@@ -4,9 +4,10 @@
 
 For every goodput cell, per padded k the policy ran: steps, steps run to explore, the predicted and realised
 tokens and seconds (ratios realised / predicted), and the realised goodput (tokens / second of step executable).
-Then the cell's time outside the priced steps, per step: (Σ request latency − Σ step seconds) / steps, for goodput
-and, where the same cell's `fixed:N` records hold their step counts, the same split for them is not available
-(fixed policies keep no log), so the comparison is of totals: Σ latency, steps and tokens per step per policy.
+Then goodput's time outside its priced steps and its prefills, per step: (Σ latency − Σ time to first token −
+Σ step seconds) / steps (host work the price leaves out), the conditional acceptance per position
+P(accept j | 1..j−1 accepted) its steps measured (a missing proposal a rejection), and per policy of the cell the
+totals (fixed policies keep no log): Σ latency, steps, tokens per step.
 """
 
 from __future__ import annotations
@@ -50,8 +51,21 @@ def cell_report(cell: list[dict]) -> dict:
         lat = [v for row in r.get("latencies_s", []) for v in row if v is not None]
         totals[p] = {"sum_latency_s": sum(lat), "steps": r.get("steps"), "tokens_per_step": r.get("tokens_per_step"),
                      "k_hist": r.get("k_hist")}
-    unpriced = (totals["goodput"]["sum_latency_s"] - step_seconds) / max(1, totals["goodput"]["steps"] or 1)
-    return {"per_k": ks, "policies": totals, "goodput_outside_steps_per_step_s": unpriced}
+    ttft = (g.get("mean_ttft_s") or 0.0) * (g["requests"] - g.get("errors", 0))
+    unpriced = (totals["goodput"]["sum_latency_s"] - ttft - step_seconds) / max(1, totals["goodput"]["steps"] or 1)
+    reached, trials = collections.Counter(), collections.Counter()
+    for log in g.get("decision_logs", []):
+        for d in log:
+            if d["batch"] != 1:  # per-row outcomes are summed over rows: positions only at batch 1
+                continue
+            allowed = d["k"] if d["row_k"] is None else d["row_k"][0]
+            for j in range(1, allowed + 1):
+                if d["accepted"] >= j - 1:
+                    trials[j] += 1
+                    reached[j] += d["accepted"] >= j
+    positions = {j: (reached[j] / trials[j], trials[j]) for j in sorted(trials)}
+    return {"per_k": ks, "policies": totals, "goodput_outside_steps_per_step_s": unpriced,
+            "acceptance_by_position": positions}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         for p, v in rep["policies"].items():
             print(f"  {p:>8}: Σlatency {v['sum_latency_s']:.2f} s, steps {v['steps']}, "
                   f"tokens/step {v['tokens_per_step']:.3f}, k_hist {v['k_hist']}")
-        print(f"  goodput time outside its steps: {1e3 * rep['goodput_outside_steps_per_step_s']:.2f} ms per step")
+        print(f"  goodput time outside its steps and prefills: {1e3 * rep['goodput_outside_steps_per_step_s']:.2f} "
+              f"ms per step")
+        print("  P(accept j | 1..j-1), trials: " + ", ".join(f"{j}: {a:.2f} ({n})"
+                                                              for j, (a, n) in rep["acceptance_by_position"].items()))
     return 0
 
 
