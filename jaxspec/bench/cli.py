@@ -18,6 +18,10 @@ prompt lookup (or the draft model) on an engine whose k = N step verifies a toke
 instead of a chain, under `fixed:N` and `goodput` (which then chooses among the chains and the tree);
 `fixed:N` under `ngram` (`draft`) is the chain of the same verify width, side by side.
 Metrics: see jaxspec/bench/loadgen.py. Nothing compiles inside a measured run (checked).
+`--repeats R` runs every cell R times, every policy once per repeat in turn on that repeat's arrivals (paired;
+a fresh policy each time); a record pools its repeats and keeps `latencies_s[repeat][request]`, from which
+`check_goals` gives goodput's mean-latency ratio to the best fixed k (and to `none`) a 95 % paired bootstrap
+interval (jaxspec/bench/intervals.py). `--quick` is a smoke test: too few requests to tell 2 % from noise.
 """
 
 from __future__ import annotations
