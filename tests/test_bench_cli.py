@@ -104,6 +104,7 @@ def test_repeats_pair_every_policy_and_report_intervals(tmp_path, monkeypatch, c
     assert low <= check["ratio"] <= high and check["verdict"] in ("miss", "better", "ok")
     assert check["repeats"] == 2 and check["paired_requests"] == 3
     assert check["ok"] == (check["verdict"] != "miss") and "ci95" in check["vs_none"]
+    assert set(result["checks"]["better_than_each_fixed_shown"]) == {"code/ngram/fixed:2"}
     printed = capsys.readouterr().out
     assert "goodput / best" in printed and f"[{low:.3f}, {high:.3f}]" in printed
     assert "95 % CI" in (tmp_path / "out" / "bench.md").read_text()
@@ -117,3 +118,31 @@ def test_quick_says_it_is_a_smoke_test():
     import pytest
     with pytest.raises(ValueError, match="repeats"):
         cli.settings_from_args(parser.parse_args(["--repeats", "0"]))
+
+
+def test_goal_check_intervals_from_per_request_latencies():
+    """A cell whose goodput is 10 % slower on every request of every repeat is a miss; a failed request drops out
+    of both sides of the pair; records without latencies keep the point check only."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.5, 3.0, size=(3, 10))  # [repeats, requests]
+
+    def rec(policy, lat):
+        rows = [[None if v is None else float(v) for v in row] for row in lat]
+        flat = [v for row in rows for v in row if v is not None]
+        return {"workload": "code", "proposer": "ngram", "concurrency": 1, "policy": policy,
+                "mean_latency_s": sum(flat) / len(flat), "latencies_s": rows}
+
+    slow = (base * 1.10).tolist()
+    slow[1][4] = None  # failed in one repeat
+    records = [rec("none", base * 1.5), rec("fixed:3", base), rec("goodput", slow)]
+    [check] = cli.check_goals(records)["goodput_vs_best_fixed"]
+    assert check["best"] == "fixed:3" and check["verdict"] == "miss" and check["ok"] is False
+    assert check["paired_requests"] == 9 and check["ci95"][0] > 1.02
+    assert check["vs_none"]["verdict"] == "better"
+    for r in records:
+        del r["latencies_s"]
+    [point] = cli.check_goals(records)["goodput_vs_best_fixed"]
+    assert "ci95" not in point and point["ok"] is False and "(point)" in cli.interval_table({"goodput_vs_best_fixed":
+                                                                                           [point]})

@@ -405,7 +405,8 @@ def check_goals(records: list[dict]) -> dict:
     """Issue 8 / 5 / 46 goals over the records: goodput vs the best of `none` and every `fixed:N` run in the same
     cell (the best by mean latency; with per-request latencies, the ratio's 95 % paired bootstrap interval and its
     verdict: "miss" when the interval lies above 1.02, "better" below 0.98, else "ok"; `ok` is then "not a miss"),
-    goodput vs `none` likewise, speedups at low load."""
+    goodput vs `none` likewise, speedups at low load. `better_than_each_fixed_shown`: per workload/proposer/fixed k,
+    whether some cell's interval of goodput over that fixed k lies below 0.98 (only with per-request latencies)."""
     from jaxspec.policy.spec import PolicySpec
 
     out = {"goodput_vs_best_fixed": [], "better_than_each_fixed_somewhere": {}, "low_load_speedup_vs_none": []}
@@ -434,6 +435,10 @@ def check_goals(records: list[dict]) -> dict:
             if f != "none":
                 d = out["better_than_each_fixed_somewhere"].setdefault(f"{w}/{p}/{f}", False)
                 out["better_than_each_fixed_somewhere"][f"{w}/{p}/{f}"] = d or g < v
+                shown = _interval_fields(pol["goodput"], pol[f])
+                if shown:
+                    was = out.setdefault("better_than_each_fixed_shown", {}).get(f"{w}/{p}/{f}", False)
+                    out["better_than_each_fixed_shown"][f"{w}/{p}/{f}"] = was or shown["verdict"] == "better"
     lows = {}
     for (w, p, x), pol in cells.items():
         if "goodput" in pol and "none" in pol and x is not None:
