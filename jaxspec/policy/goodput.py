@@ -92,7 +92,8 @@ from jaxspec.types import StepResult
 
 @dataclasses.dataclass(frozen=True)
 class GoodputConfig:
-    """positional: E from per-position rates α_{i,j} instead of one α_i per request.
+    """positional: E from per-position rates α_{i,j} instead of one α_i per request (on in the shipped
+      jaxspec/configs/policy.yaml: prompt lookup's first position is far less likely than the ones after it).
     short_proposal_is_rejection: a row that proposed fewer tokens than it was allowed (prompt
       lookup found no continuation) counts the first missing one as a rejection, so α_i estimates
       the chance the *requested* token is accepted, which is what E_i(k) must predict; False
