@@ -427,9 +427,9 @@ def check_goals(records: list[dict]) -> dict:
                  "ok": g <= 1.02 * fixed[best], **_interval_fields(pol["goodput"], pol[best])}
         if "verdict" in entry:
             entry["ok"] = entry["verdict"] != "miss"
-        if "none" in pol:
-            entry["vs_none"] = {"ratio": g / pol["none"]["mean_latency_s"],
-                                **_interval_fields(pol["goodput"], pol["none"])}
+        vs_none = _interval_fields(pol["goodput"], pol["none"]) if "none" in pol else {}
+        if vs_none:  # (files without per-request latencies keep the checks they had)
+            entry["vs_none"] = {"ratio": g / pol["none"]["mean_latency_s"], **vs_none}
         out["goodput_vs_best_fixed"].append(entry)
         for f, v in fixed.items():
             if f != "none":
