@@ -65,3 +65,84 @@ def test_goal_check_compares_goodput_with_every_fixed_k_that_ran():
     assert check["best"] == "fixed:8" and abs(check["ratio"] - 7.9 / 7.6) < 1e-12 and check["ok"] is False
     [speedup] = checks["low_load_speedup_vs_none"]
     assert abs(speedup["speedup"] - 25.4 / 7.9) < 1e-12
+
+
+def test_repeats_pair_every_policy_and_report_intervals(tmp_path, monkeypatch, capsys):
+    """--repeats 2: every policy runs each repeat on that repeat's one arrival draw (paired), records keep
+    [repeat][request] latencies, and the checks carry goodput's ratio to the best fixed k with a 95 % interval."""
+    from jaxspec.bench import loadgen
+
+    monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(tmp_path / "profiles"))
+    draws = []
+    real = loadgen.poisson_arrivals
+
+    def recorded(rate, n, seed=0):
+        draws.append(seed)
+        return real(rate, n, seed=seed)
+
+    monkeypatch.setattr(loadgen, "poisson_arrivals", recorded)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny", "--proposers", "ngram", "--workloads", "code",
+                              "--policies", "none,fixed:2,goodput", "--repeats", "2", "--decision-log",
+                              "--k-menu", "0,2", "--capacity", "2", "--requests", "3", "--max-tokens", "6",
+                              "--max-prompt-tokens", "120", "--rates", "50", "--no-progress", "--no-plots",
+                              "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "out")])
+    assert cli.run(args) == 0
+    assert draws == [1, 2]  # one arrival draw per repeat, shared by all three policies
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["meta"]["smoke_test"] is False and len(result["meta"]["loadavg_before"]) == 3
+    records = result["records"]
+    assert {r["policy"] for r in records} == {"none", "fixed:2", "goodput"}
+    for r in records:
+        assert r["repeats"] == 2 and len(r["latencies_s"]) == 2 and all(len(x) == 3 for x in r["latencies_s"])
+        assert abs(r["mean_latency_s"] - sum(map(sum, r["latencies_s"])) / 6) < 1e-9
+    [goodput] = [r for r in records if r["policy"] == "goodput"]
+    assert len(goodput["decision_logs"]) == 2 and "predicted_goodput" in goodput["decision_logs"][0][0]
+    [check] = result["checks"]["goodput_vs_best_fixed"]
+    low, high = check["ci95"]
+    assert low <= check["ratio"] <= high and check["verdict"] in ("miss", "better", "ok")
+    assert check["repeats"] == 2 and check["paired_requests"] == 3
+    assert check["ok"] == (check["verdict"] != "miss") and "ci95" in check["vs_none"]
+    assert set(result["checks"]["better_than_each_fixed_shown"]) == {"code/ngram/fixed:2"}
+    printed = capsys.readouterr().out
+    assert "goodput / best" in printed and f"[{low:.3f}, {high:.3f}]" in printed
+    assert "95 % CI" in (tmp_path / "out" / "bench.md").read_text()
+
+
+def test_quick_says_it_is_a_smoke_test():
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert "smoke test" in parser.format_help()
+    assert "smoke test" in cli.QUICK_NOTE and cli.settings_from_args(parser.parse_args(["--quick"])).quick
+    import pytest
+    with pytest.raises(ValueError, match="repeats"):
+        cli.settings_from_args(parser.parse_args(["--repeats", "0"]))
+
+
+def test_goal_check_intervals_from_per_request_latencies():
+    """A cell whose goodput is 10 % slower on every request of every repeat is a miss; a failed request drops out
+    of both sides of the pair; records without latencies keep the point check only."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.5, 3.0, size=(3, 10))  # [repeats, requests]
+
+    def rec(policy, lat):
+        rows = [[None if v is None else float(v) for v in row] for row in lat]
+        flat = [v for row in rows for v in row if v is not None]
+        return {"workload": "code", "proposer": "ngram", "concurrency": 1, "policy": policy,
+                "mean_latency_s": sum(flat) / len(flat), "latencies_s": rows}
+
+    slow = (base * 1.10).tolist()
+    slow[1][4] = None  # failed in one repeat
+    records = [rec("none", base * 1.5), rec("fixed:3", base), rec("goodput", slow)]
+    [check] = cli.check_goals(records)["goodput_vs_best_fixed"]
+    assert check["best"] == "fixed:3" and check["verdict"] == "miss" and check["ok"] is False
+    assert check["paired_requests"] == 9 and check["ci95"][0] > 1.02
+    assert check["vs_none"]["verdict"] == "better"
+    for r in records:
+        del r["latencies_s"]
+    [point] = cli.check_goals(records)["goodput_vs_best_fixed"]
+    assert "ci95" not in point and point["ok"] is False and "(point)" in cli.interval_table({"goodput_vs_best_fixed":
+                                                                                           [point]})

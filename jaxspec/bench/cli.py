@@ -18,6 +18,10 @@ prompt lookup (or the draft model) on an engine whose k = N step verifies a toke
 instead of a chain, under `fixed:N` and `goodput` (which then chooses among the chains and the tree);
 `fixed:N` under `ngram` (`draft`) is the chain of the same verify width, side by side.
 Metrics: see jaxspec/bench/loadgen.py. Nothing compiles inside a measured run (checked).
+`--repeats R` runs every cell R times, every policy once per repeat in turn on that repeat's arrivals (paired;
+a fresh policy each time); a record pools its repeats and keeps `latencies_s[repeat][request]`, from which
+`check_goals` gives goodput's mean-latency ratio to the best fixed k (and to `none`) a 95 % paired bootstrap
+interval (jaxspec/bench/intervals.py). `--quick` is a smoke test: too few requests to tell 2 % from noise.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import sys
 import time
@@ -33,6 +38,8 @@ from pathlib import Path
 
 ALL_POLICIES = ("none", "fixed:1", "fixed:3", "fixed:5", "table", "heuristic", "goodput", "goodput-per-request")
 QUICK_POLICIES = ("none", "fixed:3", "goodput")
+QUICK_NOTE = ("--quick is a smoke test: its few requests a cell cannot tell a 2 % difference from noise; "
+              "judge goodput against fixed k with --repeats R and more --requests")
 # the chain proposer of that name on a menu with the --tree envelope
 TREE_PROPOSERS = ("ngram-tree", "draft-tree", "suffix-tree")
 
@@ -80,8 +87,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"beside the chains, under fixed:N and goodput")
     parser.add_argument("--max-len", type=int, default=None, help="cache length (default prompt cap + output cap + 16)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    parser.add_argument("--quick", action="store_true", help="≤ 10 min on 2 cores: few requests, short outputs, "
-                        "3 rates, 4 policies, every workload")
+    parser.add_argument("--quick", action="store_true", help="a smoke test, ≤ 10 min on 2 cores: few requests, "
+                        "short outputs, 2 rates, 3 policies, every workload; too few requests to tell a 2 %% "
+                        "difference from noise (use --repeats for that)")
+    parser.add_argument("--repeats", type=int, default=1, metavar="R",
+                        help="run every cell R times, each repeat with the same arrivals and requests for every "
+                             "policy (paired; open loop: new arrivals per repeat), and report goodput's mean-latency "
+                             "ratio to the best fixed k with a 95%% bootstrap interval over requests and repeats "
+                             "(default 1)")
+    parser.add_argument("--decision-log", action="store_true",
+                        help="keep the goodput policy's full decision log (predicted against realised, per step) "
+                             "in the JSON records")
     parser.add_argument("--peers", action="store_true", help="also run the HF transformers peers (batch 1)")
     parser.add_argument("--peer-prompts", type=int, default=3, help="prompts for the peer comparison")
     parser.add_argument("--real-pair", action="store_true",
@@ -115,6 +131,8 @@ class Settings:
     draft_only_on: tuple[str, ...] | None = None  # quick: the draft proposer runs on these workloads only
     tree: str | None = None  # --tree N[:D]: the envelope of the `*-tree` proposers
     overlap: bool = True  # False: --no-overlap, the synchronous scheduler loop
+    repeats: int = 1  # --repeats: runs of every cell, policies interleaved within each (paired)
+    decision_log: bool = False  # --decision-log: every goodput step's record in the JSON
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -141,6 +159,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     max_prompt = args.max_prompt_tokens or (160 if q else 256)
     tree_k = (TreeEnvelope.parse(tree).nodes,) if tree is not None else ()
     capacity = args.capacity or (max(args.closed_loop) if args.closed_loop else (4 if q else 8))
+    repeats = getattr(args, "repeats", 1)
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if args.closed_loop and max(args.closed_loop) > capacity:
         raise ValueError(f"concurrency {max(args.closed_loop)} exceeds --capacity {capacity}")
     return Settings(
@@ -151,7 +172,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_len=args.max_len or max_prompt + max_tokens + max(args.k_menu + tree_k) + 16, ignore_eos=args.ignore_eos,
         seed=args.seed, quick=q, progress=not args.no_progress,
         draft_only_on=("chat",) if q and args.proposers is None else None, tree=tree,
-        overlap=not getattr(args, "no_overlap", False))
+        overlap=not getattr(args, "no_overlap", False), repeats=repeats,
+        decision_log=getattr(args, "decision_log", False))
 
 
 def bench_menu(s: Settings):
@@ -207,6 +229,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
     """Run every cell. proposers: name -> Proposer (built over `target`); `mesh`: a jaxspec.mesh.MeshSpec
     (None: one device); `kernels`: the kernel choice the engines resolve their plan from. Returns records;
     `on_record(records so far)` after each measured point (partial results survive a timeout)."""
+    import numpy as np
     from tqdm import tqdm
 
     from jaxspec.bench.loadgen import poisson_arrivals, run_closed_loop, run_open_loop, summarize
@@ -251,7 +274,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
     n_rates = len(s.rates) if s.rates else len(s.fractions)
     per_point = {w: (1 if "none" in s.policies else 0)
                  + sum(len(policies_for(p)) for p in runs_for(w)) for w in s.workloads}
-    total = sum((len(loads) if loads else n_rates) * per_point[w] for w in s.workloads)
+    total = s.repeats * sum((len(loads) if loads else n_rates) * per_point[w] for w in s.workloads)
     bar = tqdm(total=total, desc="bench cells", unit="cell", disable=not s.progress)
     records = []
     for wname, workload in workloads.items():
@@ -269,10 +292,11 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
         for kind, value in points:
             n = max(s.requests, 2 * value) if kind == "concurrency" else s.requests
             reqs = _requests(dataclasses.replace(workload, prompts=workload.prompts[:n]), s, wname)
-            arrivals = poisson_arrivals(value, len(reqs), seed=s.seed + 1) if kind == "rate" else None
+            order = {r.request_id: i for i, r in enumerate(reqs)}
+            runs: dict[tuple[str, str], list[dict]] = {}  # (proposer, policy) -> one measurement per repeat
             outputs = {}
 
-            def cell(engine, spec, proposer_name):
+            def measure(engine, spec, proposer_name, arrivals):
                 policy = None if spec == "none" else make_bench_policy(spec, engine)
                 if engine.suffix_index is not None:  # every cell starts with no earlier outputs
                     engine.suffix_index.clear()
@@ -285,30 +309,60 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                     samples = run_closed_loop(sched, reqs, int(value))
                 if compile_counter.count() != before:
                     raise RuntimeError(f"{compile_counter.count() - before} compiles inside a measured run")
+                outputs[(proposer_name, spec)] = {x.request_id: x.tokens for x in samples}
+                bar.update(1)
+                return {"samples": samples, "policy": policy,
+                        "catch_up_calls": engine.catch_up_totals.calls - catch_up_before.calls,
+                        "catch_up_s": engine.catch_up_totals.seconds - catch_up_before.seconds}
+
+            def record(proposer_name, spec, measured: list[dict]) -> dict:
+                """One record per (proposer, policy) over every repeat: the summary of all repeats' requests
+                pooled (span and tokens/s: the mean over repeats) and each repeat's latency per request."""
+                pooled = [x for m in measured for x in m["samples"]]
+                summary = summarize(pooled)
+                if len(measured) > 1 and "span_s" in summary:
+                    per_repeat = [summarize(m["samples"]) for m in measured]
+                    summary["span_s"] = float(np.mean([r["span_s"] for r in per_repeat]))
+                    summary["tokens_per_s"] = float(np.mean([r["tokens_per_s"] or 0.0 for r in per_repeat]))
+                latencies = []  # [repeat][request], requests in submission order; None for an error
+                for m in measured:
+                    row = [None] * len(reqs)
+                    for x in m["samples"]:
+                        row[order[x.request_id]] = None if x.error is not None else x.latency_s
+                    latencies.append(row)
                 rec = {"mode": "open" if kind == "rate" else "closed", "workload": wname,
                        "proposer": proposer_name,
                        "draft": draft_label if proposer_name in ("draft", "draft-tree") else None,
-                       "policy": spec, kind: value, **summarize(samples),
-                       "catch_up_calls": engine.catch_up_totals.calls - catch_up_before.calls,
-                       "catch_up_s": engine.catch_up_totals.seconds - catch_up_before.seconds}
+                       "policy": spec, kind: value, **summary, "repeats": len(measured),
+                       "latencies_s": latencies,
+                       "catch_up_calls": sum(m["catch_up_calls"] for m in measured),
+                       "catch_up_s": sum(m["catch_up_s"] for m in measured)}
                 if kind == "rate" and mu is not None:
                     rec["load_fraction"] = value / mu
                     rec["service_rate"] = mu
-                decision_log = getattr(policy, "log", None)  # goodput: its decisions, predicted against realised
-                if decision_log is not None and len(decision_log):
-                    rec["decisions"] = {**decision_log.summary(), "step_times": decision_log.step_times()}
-                outputs[(proposer_name, spec)] = {x.request_id: x.tokens for x in samples}
-                bar.update(1)
+                logs = [getattr(m["policy"], "log", None) for m in measured]
+                logs = [lg for lg in logs if lg is not None and len(lg)]
+                if logs:  # goodput: its decisions, predicted against realised (the first repeat's summary)
+                    rec["decisions"] = {**logs[0].summary(), "step_times": logs[0].step_times()}
+                    if s.decision_log:
+                        rec["decision_logs"] = [lg.to_dicts() for lg in logs]
                 return rec
 
-            base = cell(plain, "none", "none") if "none" in s.policies else None
+            for repeat in range(s.repeats):  # policies interleaved inside each repeat: drift hits them alike
+                arrivals = poisson_arrivals(value, len(reqs), seed=s.seed + 1 + repeat) if kind == "rate" else None
+                if "none" in s.policies:
+                    runs.setdefault(("none", "none"), []).append(measure(plain, "none", "none", arrivals))
+                for pname in runs_for(wname):
+                    for spec in policies_for(pname):
+                        runs.setdefault((pname, spec), []).append(measure(engines[pname], spec, pname, arrivals))
+            base = record("none", "none", runs[("none", "none")]) if "none" in s.policies else None
             for pname in runs_for(wname):
                 if base is not None:
                     records.append({**base, "proposer": pname,
                                     "draft": draft_label if pname in ("draft", "draft-tree") else None,
                                     "engine": "plain"})
                 for spec in policies_for(pname):
-                    records.append(cell(engines[pname], spec, pname))
+                    records.append(record(pname, spec, runs[(pname, spec)]))
             if on_record:
                 on_record(records)
             lengths = {tuple(sorted(v.items())) for v in outputs.values()}
@@ -321,9 +375,38 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
 # --- goal checks -------------------------------------------------------------------------------------
 
 
+def _paired_latencies(a: dict, b: dict):
+    """The [repeats, requests] latencies two records share (requests that failed in either dropped), or None when
+    either record has none (files written before --repeats) or they did not run the same requests."""
+    import numpy as np
+
+    la, lb = a.get("latencies_s"), b.get("latencies_s")
+    if not la or not lb or len(la) != len(lb) or any(len(x) != len(y) for x, y in zip(la, lb, strict=True)):
+        return None
+    x = np.array([[np.nan if v is None else v for v in row] for row in la], dtype=np.float64)  # [R, n]
+    y = np.array([[np.nan if v is None else v for v in row] for row in lb], dtype=np.float64)  # [R, n]
+    keep = ~(np.isnan(x) | np.isnan(y)).any(axis=0)  # [n] requests every repeat of both finished
+    return (x[:, keep], y[:, keep]) if keep.any() else None
+
+
+def _interval_fields(policy_rec: dict, baseline_rec: dict) -> dict:
+    """ci95 and verdict of policy / baseline mean latency (jaxspec/bench/intervals.py), {} without latencies."""
+    from jaxspec.bench.intervals import ratio_interval
+
+    pair = _paired_latencies(policy_rec, baseline_rec)
+    if pair is None:
+        return {}
+    iv = ratio_interval(*pair)
+    return {"ci95": [iv.low, iv.high], "verdict": iv.verdict(), "repeats": pair[0].shape[0],
+            "paired_requests": pair[0].shape[1]}
+
+
 def check_goals(records: list[dict]) -> dict:
-    """Issue 8 / 5 goals over the records: goodput vs the best of `none` and every `fixed:N` run in the same cell,
-    speedups at low load."""
+    """Issue 8 / 5 / 46 goals over the records: goodput vs the best of `none` and every `fixed:N` run in the same
+    cell (the best by mean latency; with per-request latencies, the ratio's 95 % paired bootstrap interval and its
+    verdict: "miss" when the interval lies above 1.02, "better" below 0.98, else "ok"; `ok` is then "not a miss"),
+    goodput vs `none` likewise, speedups at low load. `better_than_each_fixed_shown`: per workload/proposer/fixed k,
+    whether some cell's interval of goodput over that fixed k lies below 0.98 (only with per-request latencies)."""
     from jaxspec.policy.spec import PolicySpec
 
     out = {"goodput_vs_best_fixed": [], "better_than_each_fixed_somewhere": {}, "low_load_speedup_vs_none": []}
@@ -340,12 +423,22 @@ def check_goals(records: list[dict]) -> dict:
             continue
         best = min(fixed, key=fixed.get)
         g = pol["goodput"]["mean_latency_s"]
-        out["goodput_vs_best_fixed"].append({"workload": w, "proposer": p, key: x, "best": best,
-                                             "ratio": g / fixed[best], "ok": g <= 1.02 * fixed[best]})
+        entry = {"workload": w, "proposer": p, key: x, "best": best, "ratio": g / fixed[best],
+                 "ok": g <= 1.02 * fixed[best], **_interval_fields(pol["goodput"], pol[best])}
+        if "verdict" in entry:
+            entry["ok"] = entry["verdict"] != "miss"
+        vs_none = _interval_fields(pol["goodput"], pol["none"]) if "none" in pol else {}
+        if vs_none:  # (files without per-request latencies keep the checks they had)
+            entry["vs_none"] = {"ratio": g / pol["none"]["mean_latency_s"], **vs_none}
+        out["goodput_vs_best_fixed"].append(entry)
         for f, v in fixed.items():
             if f != "none":
                 d = out["better_than_each_fixed_somewhere"].setdefault(f"{w}/{p}/{f}", False)
                 out["better_than_each_fixed_somewhere"][f"{w}/{p}/{f}"] = d or g < v
+                shown = _interval_fields(pol["goodput"], pol[f])
+                if shown:
+                    was = out.setdefault("better_than_each_fixed_shown", {}).get(f"{w}/{p}/{f}", False)
+                    out["better_than_each_fixed_shown"][f"{w}/{p}/{f}"] = was or shown["verdict"] == "better"
     lows = {}
     for (w, p, x), pol in cells.items():
         if "goodput" in pol and "none" in pol and x is not None:
@@ -354,6 +447,31 @@ def check_goals(records: list[dict]) -> dict:
     out["low_load_speedup_vs_none"] = [{"workload": w, "proposer": p, key: x, "speedup": sp}
                                        for (w, p), (x, sp) in sorted(lows.items())]
     return out
+
+
+def interval_table(checks: dict) -> str:
+    """goodput's mean-latency ratio to the best fixed k (and to `none`) per cell, with 95 % intervals."""
+    rows = checks.get("goodput_vs_best_fixed", [])
+    if not rows:
+        return ""
+    key = "rate" if any("rate" in r for r in rows) else "concurrency"
+
+    def ci(d):
+        return f"[{d['ci95'][0]:.3f}, {d['ci95'][1]:.3f}]" if "ci95" in d else "–"
+
+    lines = [f"| workload | proposer | {key} | best fixed | goodput / best | 95 % CI | verdict | goodput / none "
+             f"| 95 % CI | repeats × requests |", "|---|---|---:|---|---:|---|---|---:|---|---:|"]
+    for r in rows:
+        v = r.get("vs_none", {})
+        size = f"{r['repeats']} × {r['paired_requests']}" if "repeats" in r else "–"
+        verdict = r.get("verdict", "ok (point)" if r["ok"] else "miss (point)")  # no latencies: the point ratio
+        none_ratio = f"{v['ratio']:.3f}" if v else "–"
+        lines.append(f"| {r['workload']} | {r['proposer']} | {r.get(key):g} | {r['best']} | {r['ratio']:.3f} "
+                     f"| {ci(r)} | {verdict} | {none_ratio} | {ci(v) if v else '–'} | {size} |")
+    verdicts = [r.get("verdict") for r in rows]
+    lines.append(f"\n{verdicts.count('miss')} miss, {verdicts.count('better')} better, "
+                 f"{verdicts.count('ok')} ok of {len(rows)} cells (miss: interval above 1.02; better: below 0.98)")
+    return "\n".join(lines) + "\n"
 
 
 def markdown_table(records: list[dict]) -> str:
@@ -383,7 +501,8 @@ def write_outputs(result: dict, json_path: str | None, out_dir: str, plots: bool
         written.append(json_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{prefix}.md").write_text(markdown_table(result["records"]), encoding="utf-8")
+    (out / f"{prefix}.md").write_text(markdown_table(result["records"]) + "\n" + interval_table(result["checks"]),
+                                      encoding="utf-8")
     written.append(str(out / f"{prefix}.md"))
     if plots:
         from jaxspec.bench.plots import plot_records
@@ -419,6 +538,9 @@ def run(args: argparse.Namespace) -> int:
             proposers[name] = build_proposer(name.removesuffix("-tree"), built.model, draft_spec, mesh=mesh,
                                              kernels=kernels)
     started = time.time()
+    load_before = os.getloadavg()
+    if s.quick:
+        print(QUICK_NOTE, file=sys.stderr)
     uses_draft = bool({"draft", "draft-tree"} & set(s.proposers))
     records = sweep(built.model, built.tokenizer, proposers, s, draft_label=draft_spec if uses_draft else "", mesh=mesh,
                     kernels=kernels)
@@ -426,7 +548,8 @@ def run(args: argparse.Namespace) -> int:
         "meta": {"command": " ".join(shlex.quote(a) for a in sys.argv), "machine": machine(), "model": built.name,
                  "dtype": built.model.config.dtype, "mesh": str(mesh),
                  "draft": draft_spec if uses_draft else None, "settings": dataclasses.asdict(s),
-                 "wall_s": time.time() - started},
+                 "wall_s": time.time() - started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                 "smoke_test": s.quick},
         "records": records, "checks": check_goals(records),
     }
     prefix = "closed_loop" if s.closed_loop else "bench"
@@ -443,7 +566,10 @@ def run(args: argparse.Namespace) -> int:
     for path in write_outputs(result, args.json, args.out, not args.no_plots, prefix=prefix):
         print(f"wrote {path}", file=sys.stderr)
     print(markdown_table(records))
-    print(json.dumps(result["checks"], indent=1))
+    print(interval_table(result["checks"]))
+    if s.quick:
+        print(QUICK_NOTE)
+    print(json.dumps({k: v for k, v in result["checks"].items() if k != "goodput_vs_best_fixed"}, indent=1))
     if "peers" in result:
         print(json.dumps(result["peers"], indent=1))
     return 0

@@ -26,8 +26,16 @@ A verify of nothing (a k = 0 step) is no evidence; it lets the request's counts 
 the prior with a slower γ_idle (s ← γ_idle·s + (1−γ_idle)·m·α_g, t ← γ_idle·t + (1−γ_idle)·m),
 so a request parked at k = 0 by old bad evidence is probed again now and then instead of never
 speculating anew (γ_idle = 1 turns this off).
-Per-position rates use the estimator per position j (trials: positions 1..min(a+1, n);
-successes: positions 1..a), giving α̂_j = P(accept j | accepted 1..j−1).
+Per-position rates α̂_j = P(accept j | accepted 1..j−1) count per position j (trials: positions 1..min(a+1, n);
+successes: positions 1..a; discounted like the rest, (s_j, t_j) the data alone) and shrink toward what is known
+of the position, with a weight of m pseudo-trials that does not fade:
+
+    proposer-wide   g_1 = (S_1 + m·γ_gⁿ·α_0) / (T_1 + m·γ_gⁿ),   g_j = (S_j + m·g_{j−1}) / (T_j + m)   (j ≥ 2)
+    request         α_j = (s_j + m·g_j) / (t_j + m)
+
+A position the proposer has rarely reached is the one before it (not the uninformed prior α_0: a policy that
+never ran that deep would never learn otherwise), and a request's rate at a position it reached a few times is
+its proposer's, pulled by its own evidence (not a warm start its few trials then override: deep positions see few).
 """
 
 from __future__ import annotations
@@ -79,7 +87,7 @@ class AcceptanceConfig:
 class _DiscountedCounts:
     """Discounted successes/trials overall and per position, starting at prior pseudo-counts."""
 
-    __slots__ = ("s", "t", "pos_s", "pos_t", "n_obs")
+    __slots__ = ("s", "t", "pos_s", "pos_t", "n_obs", "data_s", "data_t", "prior_weight")
 
     def __init__(self, prior: float, prior_positions: np.ndarray, strength: float):
         self.s = strength * prior
@@ -87,6 +95,9 @@ class _DiscountedCounts:
         self.pos_s = strength * np.asarray(prior_positions, np.float64)
         self.pos_t = np.full(len(prior_positions), strength, np.float64)
         self.n_obs = 0
+        self.data_s = np.zeros(len(prior_positions))  # [P] discounted successes per position, no prior
+        self.data_t = np.zeros(len(prior_positions))  # [P] discounted trials per position, no prior
+        self.prior_weight = strength  # the pseudo-trials of the starting prior left after the decay
 
     def add(self, accepted: int, proposed: int, decay: float) -> None:
         succ, trials = truncated_counts(accepted, proposed)
@@ -97,6 +108,11 @@ class _DiscountedCounts:
         p = len(self.pos_s)
         self.pos_s[: min(succ, p)] += 1.0  # positions 1..a accepted
         self.pos_t[: min(trials, p)] += 1.0  # positions 1..a (+ a+1 rejected if a < n)
+        self.data_s *= decay
+        self.data_t *= decay
+        self.data_s[: min(succ, p)] += 1.0
+        self.data_t[: min(trials, p)] += 1.0
+        self.prior_weight *= decay
         self.n_obs += 1
 
     def relax(self, prior: float, prior_positions: np.ndarray, strength: float, decay: float) -> None:
@@ -105,6 +121,9 @@ class _DiscountedCounts:
         self.t = decay * self.t + (1 - decay) * strength
         self.pos_s = decay * self.pos_s + (1 - decay) * strength * np.asarray(prior_positions)
         self.pos_t = decay * self.pos_t + (1 - decay) * strength
+        self.data_s *= decay  # the shrunk per-position rates move toward their prior
+        self.data_t *= decay
+        self.prior_weight = decay * self.prior_weight + (1 - decay) * strength
 
     @property
     def alpha(self) -> float:
@@ -162,13 +181,22 @@ class AcceptanceTracker:
         return self.global_alpha() if counts is None else counts.alpha
 
     def global_position_alphas(self) -> np.ndarray:
-        """[P] proposer-wide α̂_j."""
-        return self._global.position_alphas
+        """[P] proposer-wide α̂_j, each shrunk toward the one before it (module doc)."""
+        g, m = self._global, self.config.prior_strength
+        out = np.empty(len(g.data_s))
+        out[0] = (g.data_s[0] + g.prior_weight * self.config.initial_alpha) / (g.data_t[0] + g.prior_weight)
+        for j in range(1, len(out)):
+            out[j] = (g.data_s[j] + m * out[j - 1]) / (g.data_t[j] + m)
+        return out
 
     def position_alphas(self, request_id: Hashable) -> np.ndarray:
         """[P] α̂_j = P(accept position j | 1..j−1 accepted) for a request; global for a new one."""
         counts = self._requests.get(request_id)
-        return self.global_position_alphas() if counts is None else counts.position_alphas
+        g = self.global_position_alphas()
+        if counts is None:
+            return g
+        m = self.config.prior_strength
+        return (counts.data_s + m * g) / (counts.data_t + m)  # [P] shrunk toward the proposer's (module doc)
 
     def observations(self, request_id: Hashable) -> int:
         """Informative verifies seen for a request (0 if unseen)."""

@@ -75,6 +75,7 @@ above every row's cap runs as a smaller one and is evaluated once, as that one.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 from collections.abc import Hashable
@@ -91,7 +92,8 @@ from jaxspec.types import StepResult
 
 @dataclasses.dataclass(frozen=True)
 class GoodputConfig:
-    """positional: E from per-position rates α_{i,j} instead of one α_i per request.
+    """positional: E from per-position rates α_{i,j} instead of one α_i per request (on in the shipped
+      jaxspec/configs/policy.yaml: prompt lookup's first position is far less likely than the ones after it).
     short_proposal_is_rejection: a row that proposed fewer tokens than it was allowed (prompt
       lookup found no continuation) counts the first missing one as a rejection, so α_i estimates
       the chance the *requested* token is accepted, which is what E_i(k) must predict; False
@@ -151,7 +153,9 @@ class GoodputPolicy(Policy):
         self.calibration = ConfidenceCalibration(self.trees.config)  # host proposers' confidences (suffix decoding)
         self.config = config
         self.log = DecisionLog(config.log_size)
-        self._last: tuple[Decision, Option, bool] | None = None
+        # decisions chosen but not yet observed, with their option and whether it explored (the overlapped loop
+        # chooses step t+1 before it observes step t)
+        self._pending: collections.deque[tuple[Decision, Option, bool]] = collections.deque(maxlen=8)
         self.catch_up_call_s = 0.0  # measured seconds per draft catch-up call (EMA)
         self.decisions = 0  # choose() calls so far (the exploration schedule)
         self.explored = 0  # decisions that ran an exploration option
@@ -283,7 +287,7 @@ class GoodputPolicy(Policy):
         opts = self.options(view)
         option, explored = self.pick(opts)
         decision = self.decision(option, opts)
-        self._last = (decision, option, explored)
+        self._pending.append((decision, option, explored))
         return decision
 
     def observe(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float) -> None:
@@ -312,7 +316,9 @@ class GoodputPolicy(Policy):
             self.catch_up_call_s = (1 - w) * self.catch_up_call_s + w * per_call
         if elapsed_s > 0:  # a step the clock could not time (elapsed 0) carries no timing evidence
             self.cost.observe(view.batch_bucket, shape.k, shape.window, elapsed_s, real_tokens=shape.real_tokens)
-        last = self._last if self._last is not None and self._last[0] is decision else None
+        last = next((p for p in self._pending if p[0] is decision), None)
+        if last is not None:
+            self._pending.remove(last)
         self.log.record(view, decision, result, elapsed_s,
                         predicted_tokens=last[1].tokens if last else None,
                         predicted_seconds=last[1].seconds if last else None,

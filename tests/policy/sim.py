@@ -76,10 +76,23 @@ class Clock:
         return self.now
 
 
+def lookup_result(match: float) -> Callable[[Sequence[float], Sequence[int], np.random.Generator], StepResult]:
+    """Prompt lookup's all-or-nothing proposals: a row finds a match with probability `match` and then proposes
+    all it is allowed, each accepted with prob α_i until the first rejection; without one it proposes nothing.
+    P(accept 1) = match·α_i, P(accept j | 1..j−1 accepted) = α_i for j ≥ 2."""
+    def result(alphas, allowed, rng):
+        n = len(alphas)
+        found = rng.random(n) < match  # [n]
+        res = simulate_result([a if f else 0.0 for a, f in zip(alphas, found)], allowed, rng)
+        return dataclasses.replace(res, proposed=np.where(found, np.asarray(allowed), 0))
+    return result
+
+
 def run(policy, alphas_at: Callable[[int], Sequence[float]], steps: int, true_cost: Callable[[int, int, int], float],
-        *, seed: int = 0, ctx: int = 100, caps=None) -> dict:
+        *, seed: int = 0, ctx: int = 100, caps=None, simulate=simulate_result) -> dict:
     """Drive `policy` for `steps` simulated steps; returns tokens, seconds, the chosen ks and per
-    step tokens and seconds. Each step takes `true_cost` at the shape the engine would run."""
+    step tokens and seconds. Each step takes `true_cost` at the shape the engine would run; `simulate(alphas,
+    allowed, rng)` gives its result (default: each proposal accepted with prob α_i)."""
     rng = np.random.default_rng(seed)
     clock = Clock()
     tokens, ks, step_tokens, step_seconds = 0, [], [], []
@@ -88,7 +101,7 @@ def run(policy, alphas_at: Callable[[int], Sequence[float]], steps: int, true_co
         v = view(len(alphas), ctx=ctx, caps=caps)
         d = policy.choose(v)
         allowed = allowed_rows(d, v.batch_size)
-        res = simulate_result(alphas, allowed, rng)
+        res = simulate(alphas, allowed, rng)
         start = clock()
         shape = step_shape(v.context_lens, d.row_k, d.k, v.k_menu, WINDOWS)  # what the engine runs
         clock.now += true_cost(v.batch_bucket, shape.k, shape.window)

@@ -131,3 +131,37 @@ def test_idle_steps_relax_toward_the_global_rate():
     before = frozen.alpha("bad")
     frozen.observe("bad", 0, 0)
     assert frozen.alpha("bad") == before
+
+
+def test_a_position_never_reached_takes_the_rate_of_the_one_before():
+    """A policy that ran k ≤ 3 has no evidence past position 3: pricing positions 4.. at the uninformed prior
+    (0.5) made a longer k look worse than it is, so it was never run and never measured."""
+    rng = np.random.default_rng(7)
+    tracker = AcceptanceTracker(AcceptanceConfig(initial_alpha=0.5, max_positions=8))
+    for _ in range(400):
+        a = 0
+        while a < 3 and rng.random() < (0.3 if a == 0 else 0.9):
+            a += 1
+        tracker.observe("r", a, 3)
+    g = tracker.global_position_alphas()
+    assert g[0] == pytest.approx(0.3, abs=0.06) and g[2] == pytest.approx(0.9, abs=0.06)
+    np.testing.assert_allclose(g[3:], g[2], atol=1e-9)  # unreached: the deepest measured position's rate
+    np.testing.assert_allclose(tracker.position_alphas("r")[3:], g[3:], atol=1e-9)
+
+
+def test_a_request_s_rare_deep_positions_shrink_toward_the_proposer_s():
+    """One rejection at position 4 of a new request moves its α_4 by at most a fifth of the way (m = 4
+    pseudo-trials at the proposer's rate), however old the request: no warm start that its first trials override."""
+    rng = np.random.default_rng(8)
+    tracker = AcceptanceTracker(AcceptanceConfig(prior_strength=4.0, max_positions=8))
+    for rid in range(30):
+        for _ in range(20):
+            a = 0
+            while a < 8 and rng.random() < 0.9:
+                a += 1
+            tracker.observe(rid, a, 8)
+    for _ in range(30):  # an old request that only ever verified k = 1, all accepted
+        tracker.observe("old", 1, 1)
+    tracker.observe("old", 3, 8)  # then reached position 4 once and was rejected there
+    g4 = tracker.global_position_alphas()[3]
+    assert g4 > 0.85 and tracker.position_alphas("old")[3] == pytest.approx(4 / 5 * g4)  # (0 + 4·g4) / (1 + 4)

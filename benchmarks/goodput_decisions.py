@@ -1,0 +1,99 @@
+"""Where goodput's time went, from a bench file written with `--decision-log` (issue 46).
+
+    python -m benchmarks.goodput_decisions docs/results/goodput/intervals_cpu.json
+
+For every goodput cell, per padded k the policy ran: steps, steps run to explore, the predicted and realised
+tokens and seconds (ratios realised / predicted), and the realised goodput (tokens / second of step executable).
+Then goodput's time outside its priced steps and its prefills, per step: (Σ latency − Σ time to first token −
+Σ step seconds) / steps (host work the price leaves out), the conditional acceptance per position
+P(accept j | 1..j−1 accepted) its steps measured (a missing proposal a rejection), and per policy of the cell the
+totals (fixed policies keep no log): Σ latency, steps, tokens per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+
+def cell_report(cell: list[dict]) -> dict:
+    """The records of one (workload, proposer, load) cell -> the per-k breakdown of goodput's decision logs."""
+    by_policy = {r["policy"]: r for r in cell}
+    g = by_policy["goodput"]
+    per_k = collections.defaultdict(lambda: collections.Counter())
+    step_seconds = 0.0
+    for log in g.get("decision_logs", []):
+        for d in log:
+            c = per_k[d["k"]]
+            c["steps"] += 1
+            c["explored"] += int(d["explored"])
+            c["tokens"] += d["tokens"]
+            c["seconds"] += d["seconds"]
+            step_seconds += d["seconds"]
+            if d["predicted_tokens"] is not None:
+                c["pred_tokens"] += d["predicted_tokens"]
+                c["pred_seconds"] += d["predicted_seconds"]
+                c["real_tokens_priced"] += d["tokens"]
+                c["real_seconds_priced"] += d["seconds"]
+    ks = {}
+    for k, c in sorted(per_k.items()):
+        ks[k] = {"steps": c["steps"], "explored": c["explored"],
+                 "tokens_per_step": c["tokens"] / c["steps"],
+                 "realised_goodput": c["tokens"] / c["seconds"] if c["seconds"] else None,
+                 "tokens_real_over_pred": c["real_tokens_priced"] / c["pred_tokens"] if c["pred_tokens"] else None,
+                 "seconds_real_over_pred": (c["real_seconds_priced"] / c["pred_seconds"]
+                                            if c["pred_seconds"] else None),
+                 "mean_step_s": c["seconds"] / c["steps"]}
+    totals = {}
+    for p, r in sorted(by_policy.items()):
+        lat = [v for row in r.get("latencies_s", []) for v in row if v is not None]
+        totals[p] = {"sum_latency_s": sum(lat), "steps": r.get("steps"), "tokens_per_step": r.get("tokens_per_step"),
+                     "k_hist": r.get("k_hist")}
+    ttft = (g.get("mean_ttft_s") or 0.0) * (g["requests"] - g.get("errors", 0))
+    unpriced = (totals["goodput"]["sum_latency_s"] - ttft - step_seconds) / max(1, totals["goodput"]["steps"] or 1)
+    reached, trials = collections.Counter(), collections.Counter()
+    for log in g.get("decision_logs", []):
+        for d in log:
+            if d["batch"] != 1:  # per-row outcomes are summed over rows: positions only at batch 1
+                continue
+            allowed = d["k"] if d["row_k"] is None else d["row_k"][0]
+            for j in range(1, allowed + 1):
+                if d["accepted"] >= j - 1:
+                    trials[j] += 1
+                    reached[j] += d["accepted"] >= j
+    positions = {j: (reached[j] / trials[j], trials[j]) for j in sorted(trials)}
+    return {"per_k": ks, "policies": totals, "goodput_outside_steps_per_step_s": unpriced,
+            "acceptance_by_position": positions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("file", type=Path)
+    args = parser.parse_args(argv)
+    data = json.loads(args.file.read_text(encoding="utf-8"))
+    key = "rate" if any(r.get("mode") == "open" for r in data["records"]) else "concurrency"
+    cells = collections.defaultdict(list)
+    for r in data["records"]:
+        cells[(r["workload"], r["proposer"], r.get(key))].append(r)
+    for name, cell in cells.items():
+        if not any(r["policy"] == "goodput" for r in cell):
+            continue
+        rep = cell_report(cell)
+        print(f"== {name}")
+        for k, v in rep["per_k"].items():
+            print(f"  k={k}: " + ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}"
+                                           for a, b in v.items()))
+        for p, v in rep["policies"].items():
+            print(f"  {p:>8}: Σlatency {v['sum_latency_s']:.2f} s, steps {v['steps']}, "
+                  f"tokens/step {v['tokens_per_step']:.3f}, k_hist {v['k_hist']}")
+        print(f"  goodput time outside its steps and prefills: {1e3 * rep['goodput_outside_steps_per_step_s']:.2f} "
+              f"ms per step")
+        print("  P(accept j | 1..j-1), trials: " + ", ".join(f"{j}: {a:.2f} ({n})"
+                                                              for j, (a, n) in rep["acceptance_by_position"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

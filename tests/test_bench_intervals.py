@@ -1,0 +1,64 @@
+"""The paired bootstrap of jaxspec/bench/intervals.py on synthetic latencies with a known answer."""
+
+import numpy as np
+import pytest
+
+from jaxspec.bench.intervals import RatioInterval, ratio_interval
+
+
+def _requests(rng, repeats=3, n=12):
+    """[R, n] latencies: requests differ a lot (0.5 s .. 5 s), repeats a little (timing noise)."""
+    per_request = rng.uniform(0.5, 5.0, size=n)  # [n]
+    return per_request[None, :] * rng.normal(1.0, 0.01, size=(repeats, n))  # [R, n]
+
+
+def test_a_known_five_percent_slowdown_is_excluded_from_one():
+    rng = np.random.default_rng(1)
+    base = _requests(rng)
+    slower = base * 1.05 * rng.normal(1.0, 0.01, size=base.shape)
+    iv = ratio_interval(slower, base)
+    assert iv.low > 1.02 and iv.verdict() == "miss"
+    assert iv.low <= iv.ratio <= iv.high and abs(iv.ratio - 1.05) < 0.01
+    faster = ratio_interval(base / 1.05, base)
+    assert faster.high < 0.98 and faster.verdict() == "better"
+
+
+def test_identical_policies_have_an_interval_that_holds_one():
+    rng = np.random.default_rng(2)
+    base = _requests(rng)
+    same = base * rng.normal(1.0, 0.01, size=base.shape)  # the same policy measured again
+    iv = ratio_interval(same, base)
+    assert iv.low < 1.0 < iv.high and iv.verdict() == "ok"
+    exact = ratio_interval(base, base)
+    assert exact.low == exact.high == exact.ratio == 1.0
+
+
+def test_pairing_narrows_the_interval_on_correlated_requests():
+    """Requests of very different length dominate the unpaired spread; pairing cancels them."""
+    rng = np.random.default_rng(3)
+    base = _requests(rng)
+    other = base * 1.01 * rng.normal(1.0, 0.01, size=base.shape)
+    paired = ratio_interval(other, base, paired=True)
+    unpaired = ratio_interval(other, base, paired=False)
+    assert (paired.high - paired.low) * 4 < unpaired.high - unpaired.low
+    assert unpaired.low < 1.0 < unpaired.high  # unpaired cannot even see the sign of a 1 % change here
+    assert paired.low > 1.0
+
+
+def test_one_repeat_resamples_requests_and_the_seed_makes_it_reproducible():
+    rng = np.random.default_rng(4)
+    base = rng.uniform(1.0, 2.0, size=8)  # [n]: one repeat
+    other = base * rng.normal(1.1, 0.05, size=8)
+    a, b = ratio_interval(other, base, seed=7), ratio_interval(other, base, seed=7)
+    assert a == b and a.low < a.ratio < a.high
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="same repeats"):
+        ratio_interval(np.ones((2, 3)), np.ones((3, 3)))
+    with pytest.raises(ValueError, match="non-finite"):
+        ratio_interval([1.0, np.nan], [1.0, 1.0])
+    with pytest.raises(ValueError, match="shape"):
+        ratio_interval(np.ones((1, 2, 3)), np.ones((1, 2, 3)))
+    assert RatioInterval(1.0, 1.021, 1.1, 0.95).verdict() == "miss"
+    assert RatioInterval(1.0, 0.9, 0.979, 0.95).verdict() == "better"
