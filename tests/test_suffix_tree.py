@@ -178,6 +178,22 @@ def test_prompt_trie_proposes_from_the_request_own_prompt():
     assert index.nodes == 0
 
 
+def test_on_equal_confidence_the_longer_match_wins():
+    """The prompt continues the last token alone (1 token matched), an earlier output the whole context (6): both
+    chains are certain by their counts, and the output's, conditioned on more, is proposed (chain and tree)."""
+    index = SuffixIndex(SuffixConfig(depth=8, min_prob=0.0))
+    index.start("earlier", [9])
+    index.extend("earlier", [1, 5, 2, 7, 3, 5, 3, 1, 3])
+    index.finish("earlier", keep=True)
+    index.start("r", [1, 5, 2, 7, 3])
+    index.extend("r", [5])
+    assert index.output_trie() is not None
+    chain = index.propose("r", 2)
+    assert chain.tokens == (3, 1) and chain.match_len == 6  # the prompt's chain: (2, 7), matching 1
+    assert chain.expected_accepted == 2.0
+    assert index.propose_tree("r", max_nodes=2, max_depth=2).tokens == (3, 1)
+
+
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="scope"):
         SuffixConfig(scope="everyone")

@@ -228,6 +228,11 @@ class SuffixConfig:
             raise ValueError(f"suffix min_prob must be in [0, 1], got {self.min_prob}")
 
 
+def _rank(proposal: SuffixProposal) -> tuple[float, int]:
+    """How `SuffixIndex` ranks two tries' chains: expected accepted tokens, then match length."""
+    return proposal.expected_accepted, proposal.match_len
+
+
 @dataclasses.dataclass(eq=False)
 class _Live:
     scope_key: Hashable
@@ -321,7 +326,8 @@ class SuffixIndex:
         return tuple(self._live[request_id].context)
 
     def propose(self, request_id: Hashable, max_tokens: int) -> SuffixProposal:
-        """The better (more expected accepted tokens) of the prompt trie's and the output trie's chains."""
+        """The better of the prompt trie's and the output trie's chains: more expected accepted tokens, then (on a
+        tie) the longer match, the continuation of more of the context."""
         live = self._live[request_id]
         if max_tokens <= 0:
             return SuffixProposal()
@@ -329,7 +335,7 @@ class SuffixIndex:
         trie = self._outputs.get(live.scope_key)
         if trie is not None:
             other = trie.propose(live.context, max_tokens, self.config.min_prob)
-            if other.expected_accepted > best.expected_accepted:
+            if _rank(other) > _rank(best):
                 best = other
         return best
 
@@ -340,6 +346,6 @@ class SuffixIndex:
         trie = self._outputs.get(live.scope_key)
         if trie is not None:
             chain_out = trie.propose(live.context, max_depth, self.config.min_prob)
-            if chain_out.expected_accepted > chain_prompt.expected_accepted:
+            if _rank(chain_out) > _rank(chain_prompt):
                 return trie.propose_tree(live.context, max_nodes, max_depth, self.config.min_prob)
         return live.prompt.propose_tree(live.context, max_nodes, max_depth, self.config.min_prob)
