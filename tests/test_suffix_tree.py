@@ -155,6 +155,54 @@ def test_cancelled_request_leaves_the_index_consistent():
         index.propose("cancelled", 3)
 
 
+def test_random_lifecycles_keep_every_scope_equal_to_its_model():
+    """Requests of three tenants start, grow in pieces, finish (kept) or are cancelled (taken out), interleaved.
+    After every operation each tenant's trie is exactly the trie of its retained outputs plus its live ones, the
+    retained ones are that tenant's newest kept outputs within both bounds, and the index's nodes are its tries'
+    (nothing leaks when a scope empties)."""
+    config = SuffixConfig(scope="tenant", depth=4, max_requests=3, max_tokens=12)
+    index = SuffixIndex(config)
+    rng = np.random.default_rng(5)
+    live: dict[int, tuple[str, list[int]]] = {}  # request -> (tenant, output so far)
+    kept: dict[str, list[tuple[int, list[int]]]] = {"a": [], "b": [], "c": []}  # tenant -> kept outputs, in order
+    next_id = 0
+    for _ in range(400):
+        op = rng.integers(0, 4) if live else 0
+        if op == 0:  # a request starts
+            tenant = "abc"[int(rng.integers(0, 3))]
+            index.start(next_id, list(rng.integers(0, 6, size=3)), tenant=tenant)
+            live[next_id] = (tenant, [])
+            next_id += 1
+        else:
+            rid = list(live)[int(rng.integers(0, len(live)))]
+            tenant, output = live[rid]
+            if op == 1:  # committed tokens
+                piece = list(rng.integers(0, 6, size=int(rng.integers(1, 5))))
+                index.extend(rid, piece)
+                output.extend(piece)
+            else:  # op 2: finished and kept; op 3: cancelled
+                index.finish(rid, keep=op == 2)
+                del live[rid]
+                if op == 2 and output:
+                    kept[tenant].append((rid, output))
+        for tenant, outputs in kept.items():
+            retained, tokens = [], 0
+            for rid, output in reversed(outputs):  # the newest first, while both bounds hold
+                if len(retained) == config.max_requests or tokens + len(output) > config.max_tokens:
+                    break
+                retained.insert(0, (rid, output))
+                tokens += len(output)
+            kept[tenant] = retained  # an evicted output never comes back
+            assert index.retained(("tenant", tenant)) == tuple(rid for rid, _ in retained)
+            held = [o for _, o in retained] + [o for t, o in live.values() if t == tenant and o]
+            trie = index.output_trie(("tenant", tenant))
+            assert (_shape(trie) if trie else {}) == _substring_counts(held, config.depth)
+        tries = [index.output_trie(("tenant", t)) for t in kept]
+        prompts = index.nodes - sum(t.nodes for t in tries if t)
+        assert prompts == sum(len(_substring_counts([index.context(r)[:3]], config.depth)) + 1 for r in live)
+    assert next_id > 50 and any(kept.values())
+
+
 def test_scopes_share_outputs_only_where_configured():
     def proposal(scope: str, tenant_b: str) -> tuple[int, ...]:
         index = SuffixIndex(SuffixConfig(scope=scope, depth=6))
