@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec.speculation.suffix_tree import SuffixConfig, SuffixIndex, SuffixTrie
+from jaxspec.speculation.suffix_tree import PromptOccurrences, SuffixConfig, SuffixIndex, SuffixTrie
 
 
 def _shape(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
@@ -73,6 +73,26 @@ def test_removal_leaves_the_trie_of_the_remaining_sequences():
     rest = [seqs[1], seqs[3]]
     assert _shape(trie) == _substring_counts(rest, 6)
     assert trie.nodes == len(_substring_counts(rest, 6)) + 1
+
+
+def test_prompt_occurrences_propose_what_a_trie_over_the_prompt_would():
+    """`PromptOccurrences` (a prompt's token positions) against a `SuffixTrie` built from the same prompt: the
+    same chain (tokens, confidences, match length) and the same tree, on random prompts over small alphabets,
+    contexts that continue the prompt or not, every bound and threshold."""
+    rng = np.random.default_rng(11)
+    for _ in range(2000):
+        depth, alphabet = int(rng.integers(2, 9)), int(rng.integers(2, 6))
+        prompt = list(rng.integers(0, alphabet, size=int(rng.integers(0, 40))))
+        trie = SuffixTrie(depth)
+        trie.extend("p", prompt)
+        occurrences = PromptOccurrences(prompt, depth)
+        head = prompt[:int(rng.integers(0, len(prompt) + 1))] if rng.random() < 0.5 else []
+        context = head + list(rng.integers(0, alphabet, size=int(rng.integers(0, 8))))
+        max_tokens, min_prob = int(rng.integers(0, 8)), float(rng.choice([0.0, 0.1, 0.3]))
+        assert occurrences.propose(context, max_tokens, min_prob) == trie.propose(context, max_tokens, min_prob)
+        nodes, max_depth = int(rng.integers(1, 10)), int(rng.integers(1, 5))
+        assert (occurrences.propose_tree(context, nodes, max_depth, min_prob)
+                == trie.propose_tree(context, nodes, max_depth, min_prob)), (prompt, context, depth)
 
 
 def test_proposal_is_the_most_frequent_continuation_with_its_frequencies():
@@ -198,8 +218,7 @@ def test_random_lifecycles_keep_every_scope_equal_to_its_model():
             trie = index.output_trie(("tenant", tenant))
             assert (_shape(trie) if trie else {}) == _substring_counts(held, config.depth)
         tries = [index.output_trie(("tenant", t)) for t in kept]
-        prompts = index.nodes - sum(t.nodes for t in tries if t)
-        assert prompts == sum(len(_substring_counts([index.context(r)[:3]], config.depth)) + 1 for r in live)
+        assert index.nodes == sum(t.nodes for t in tries if t) and index.prompt_tokens == 3 * len(live)
     assert next_id > 50 and any(kept.values())
 
 
@@ -223,7 +242,7 @@ def test_prompt_trie_proposes_from_the_request_own_prompt():
     index.start("r", [5, 6, 7, 8, 1, 5, 6])
     assert index.propose("r", 3).tokens == (7, 8, 1)
     index.finish("r", keep=True)
-    assert index.nodes == 0
+    assert index.nodes == 0 and index.prompt_tokens == 0
 
 
 def test_on_equal_confidence_the_longer_match_wins():
