@@ -60,11 +60,13 @@ def _emit(target, draft, n: int = N) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return emit_rows(engine, K, CAPS, CONFIG, n)
 
 
-def emit_rows(engine: Engine, k: int, caps: tuple[int, ...], config: tuple[float, float, int], n: int = N):
+def emit_rows(engine: Engine, k: int, caps: tuple[int, ...], config: tuple[float, float, int], n: int = N,
+              host_proposals=None):
     """n rows of one step at k, all from CONTEXT: every slot prefilled alike (one seed, so one pending token),
     then each of n / slots rounds restores that state, gives every slot a fresh seed and steps once, slot s
     capped at caps[s % len(caps)]. The draft's catch-up of the context runs once, before the snapshot: every
-    round starts with the draft's cache holding it. -> tokens [n, k+1], counts [n], caps [n], pending."""
+    round starts with the draft's cache holding it. A proposer that proposes on the host gets `host_proposals`
+    (engine.step's callback). -> tokens [n, k+1], counts [n], caps [n], pending."""
     slots = engine.menu.num_slots
     temperature, top_p, top_k = config
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -82,7 +84,7 @@ def emit_rows(engine: Engine, k: int, caps: tuple[int, ...], config: tuple[float
         engine.state = state.__class__(**{**vars(state), "params": state.params.__class__(
             **{**vars(state.params), "seed": seeds})})
         engine.lengths[:], engine.proposer_lengths[:] = lengths, proposer_lengths
-        result = engine.step(list(range(slots)), k, row_caps.tolist())
+        result = engine.step(list(range(slots)), k, row_caps.tolist(), host_proposals=host_proposals)
         tokens.append(result.tokens)
         counts.append(result.counts)
     return np.concatenate(tokens), np.concatenate(counts), np.tile(row_caps, n // slots), pending.pop()

@@ -125,7 +125,8 @@ def test_engine_args_build_the_suffix_proposer(tiny_model):
 def test_sampling_keeps_the_target_distribution(engine, tiny_model):
     """At temperature 1 (top-k 4) with suffix proposals (an earlier output of the same prompt, often rejected),
     the second token given the first follows the target: one Pearson test (tests/test_sampling_distribution.py's
-    judge) over the groups of the first token, at α = 1e-3."""
+    judge) over the groups of the first token, at α = 1e-3. Through the scheduler; every emitted position, with
+    the power shown by broken verifies, is tests/test_suffix_distribution.py."""
     import jax
     from scipy.stats import chi2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec.speculation.suffix_tree import SuffixConfig, SuffixIndex, SuffixTrie
+from jaxspec.speculation.suffix_tree import PromptOccurrences, SuffixConfig, SuffixIndex, SuffixTrie
 
 
 def _shape(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
@@ -73,6 +73,26 @@ def test_removal_leaves_the_trie_of_the_remaining_sequences():
     rest = [seqs[1], seqs[3]]
     assert _shape(trie) == _substring_counts(rest, 6)
     assert trie.nodes == len(_substring_counts(rest, 6)) + 1
+
+
+def test_prompt_occurrences_propose_what_a_trie_over_the_prompt_would():
+    """`PromptOccurrences` (a prompt's token positions) against a `SuffixTrie` built from the same prompt: the
+    same chain (tokens, confidences, match length) and the same tree, on random prompts over small alphabets,
+    contexts that continue the prompt or not, every bound and threshold."""
+    rng = np.random.default_rng(11)
+    for _ in range(2000):
+        depth, alphabet = int(rng.integers(2, 9)), int(rng.integers(2, 6))
+        prompt = list(rng.integers(0, alphabet, size=int(rng.integers(0, 40))))
+        trie = SuffixTrie(depth)
+        trie.extend("p", prompt)
+        occurrences = PromptOccurrences(prompt, depth)
+        head = prompt[:int(rng.integers(0, len(prompt) + 1))] if rng.random() < 0.5 else []
+        context = head + list(rng.integers(0, alphabet, size=int(rng.integers(0, 8))))
+        max_tokens, min_prob = int(rng.integers(0, 8)), float(rng.choice([0.0, 0.1, 0.3]))
+        assert occurrences.propose(context, max_tokens, min_prob) == trie.propose(context, max_tokens, min_prob)
+        nodes, max_depth = int(rng.integers(1, 10)), int(rng.integers(1, 5))
+        assert (occurrences.propose_tree(context, nodes, max_depth, min_prob)
+                == trie.propose_tree(context, nodes, max_depth, min_prob)), (prompt, context, depth)
 
 
 def test_proposal_is_the_most_frequent_continuation_with_its_frequencies():
@@ -155,6 +175,53 @@ def test_cancelled_request_leaves_the_index_consistent():
         index.propose("cancelled", 3)
 
 
+def test_random_lifecycles_keep_every_scope_equal_to_its_model():
+    """Requests of three tenants start, grow in pieces, finish (kept) or are cancelled (taken out), interleaved.
+    After every operation each tenant's trie is exactly the trie of its retained outputs plus its live ones, the
+    retained ones are that tenant's newest kept outputs within both bounds, and the index's nodes are its tries'
+    (nothing leaks when a scope empties)."""
+    config = SuffixConfig(scope="tenant", depth=4, max_requests=3, max_tokens=12)
+    index = SuffixIndex(config)
+    rng = np.random.default_rng(5)
+    live: dict[int, tuple[str, list[int]]] = {}  # request -> (tenant, output so far)
+    kept: dict[str, list[tuple[int, list[int]]]] = {"a": [], "b": [], "c": []}  # tenant -> kept outputs, in order
+    next_id = 0
+    for _ in range(400):
+        op = rng.integers(0, 4) if live else 0
+        if op == 0:  # a request starts
+            tenant = "abc"[int(rng.integers(0, 3))]
+            index.start(next_id, list(rng.integers(0, 6, size=3)), tenant=tenant)
+            live[next_id] = (tenant, [])
+            next_id += 1
+        else:
+            rid = list(live)[int(rng.integers(0, len(live)))]
+            tenant, output = live[rid]
+            if op == 1:  # committed tokens
+                piece = list(rng.integers(0, 6, size=int(rng.integers(1, 5))))
+                index.extend(rid, piece)
+                output.extend(piece)
+            else:  # op 2: finished and kept; op 3: cancelled
+                index.finish(rid, keep=op == 2)
+                del live[rid]
+                if op == 2 and output:
+                    kept[tenant].append((rid, output))
+        for tenant, outputs in kept.items():
+            retained, tokens = [], 0
+            for rid, output in reversed(outputs):  # the newest first, while both bounds hold
+                if len(retained) == config.max_requests or tokens + len(output) > config.max_tokens:
+                    break
+                retained.insert(0, (rid, output))
+                tokens += len(output)
+            kept[tenant] = retained  # an evicted output never comes back
+            assert index.retained(("tenant", tenant)) == tuple(rid for rid, _ in retained)
+            held = [o for _, o in retained] + [o for t, o in live.values() if t == tenant and o]
+            trie = index.output_trie(("tenant", tenant))
+            assert (_shape(trie) if trie else {}) == _substring_counts(held, config.depth)
+        tries = [index.output_trie(("tenant", t)) for t in kept]
+        assert index.nodes == sum(t.nodes for t in tries if t) and index.prompt_tokens == 3 * len(live)
+    assert next_id > 50 and any(kept.values())
+
+
 def test_scopes_share_outputs_only_where_configured():
     def proposal(scope: str, tenant_b: str) -> tuple[int, ...]:
         index = SuffixIndex(SuffixConfig(scope=scope, depth=6))
@@ -175,7 +242,23 @@ def test_prompt_trie_proposes_from_the_request_own_prompt():
     index.start("r", [5, 6, 7, 8, 1, 5, 6])
     assert index.propose("r", 3).tokens == (7, 8, 1)
     index.finish("r", keep=True)
-    assert index.nodes == 0
+    assert index.nodes == 0 and index.prompt_tokens == 0
+
+
+def test_on_equal_confidence_the_longer_match_wins():
+    """The prompt continues the last token alone (1 token matched), an earlier output the whole context (6): both
+    chains are certain by their counts, and the output's, conditioned on more, is proposed (chain and tree)."""
+    index = SuffixIndex(SuffixConfig(depth=8, min_prob=0.0))
+    index.start("earlier", [9])
+    index.extend("earlier", [1, 5, 2, 7, 3, 5, 3, 1, 3])
+    index.finish("earlier", keep=True)
+    index.start("r", [1, 5, 2, 7, 3])
+    index.extend("r", [5])
+    assert index.output_trie() is not None
+    chain = index.propose("r", 2)
+    assert chain.tokens == (3, 1) and chain.match_len == 6  # the prompt's chain: (2, 7), matching 1
+    assert chain.expected_accepted == 2.0
+    assert index.propose_tree("r", max_nodes=2, max_depth=2).tokens == (3, 1)
 
 
 def test_config_rejects_bad_values():

@@ -10,9 +10,11 @@ continuation, taking the most frequent child each time; each token carries its c
 
 `SuffixIndex` keeps, per scope key (global, per tenant, or none), one trie over the outputs of the last
 `max_requests` requests (and at most `max_tokens` output tokens: the oldest finished request is evicted first),
-plus one trie per live request over its own prompt. Running requests' outputs enter their scope's trie as they are
-committed; a cancelled or failed request's output is taken back out. Memory is bounded: at most
-`max_tokens + live requests' outputs` tokens in the global tries, each at most `depth` nodes.
+plus, per live request, its own prompt (`PromptOccurrences`: searched as a trie over the prompt would be, from
+each token's positions, so admission costs O(len), not O(len · depth)). Running requests' outputs enter their
+scope's trie as they are committed; a cancelled or failed request's output is taken back out. Memory is bounded:
+at most `max_tokens + live requests' outputs` tokens in the global tries, each at most `depth` nodes, plus the
+live prompts' tokens.
 """
 
 from __future__ import annotations
@@ -201,6 +203,101 @@ class SuffixTrie:
         return SuffixTree(tuple(tokens), tuple(parents), tuple(depths))
 
 
+class PromptOccurrences:
+    """A request's prompt, searched as a `SuffixTrie` of the same depth over it alone would be (the same match,
+    counts, chain and tree), from the positions of each token: built in O(len) where the trie takes O(len · depth)
+    nodes, and each query costs O(occurrences of the context's last token · depth)."""
+
+    def __init__(self, prompt: Sequence[int], depth: int):
+        if depth < 2:
+            raise ValueError(f"a suffix trie needs depth >= 2, got {depth}")
+        self.depth = depth
+        self.tokens = [int(t) for t in prompt]
+        self._positions: dict[int, list[int]] = {}
+        for i, token in enumerate(self.tokens):
+            self._positions.setdefault(token, []).append(i)
+
+    def match(self, context: Sequence[int]) -> tuple[list[int], int]:
+        """The start positions of the longest suffix of `context` (shorter than `depth`) that occurs in the prompt
+        with a following token, among those occurrences that have one, and its length; ([], 0) if none."""
+        prompt, n = self.tokens, len(self.tokens)
+        limit = min(len(context), self.depth - 1)
+        if limit == 0:
+            return [], 0
+        tail = [int(t) for t in context[len(context) - limit:]]  # [limit] the suffixes' tokens
+        best, starts = 0, []
+        for end in self._positions.get(tail[-1], ()):  # an occurrence of the last token, continued if end + 1 < n
+            if end + 1 >= n:
+                continue
+            length = 1
+            while length < limit and end - length >= 0 and prompt[end - length] == tail[-1 - length]:
+                length += 1
+            if length > best:
+                best, starts = length, [end - length + 1]
+            elif length == best:
+                starts.append(end - length + 1)
+        return starts, best
+
+    def _children(self, starts: list[int], length: int) -> dict[int, list[int]]:
+        """The tokens following the substring of `length` tokens at `starts`, each with its starts (first
+        occurrence first, the order the trie creates its children in)."""
+        children: dict[int, list[int]] = {}
+        for start in starts:
+            if start + length < len(self.tokens):
+                children.setdefault(self.tokens[start + length], []).append(start)
+        return children
+
+    def propose(self, context: Sequence[int], max_tokens: int, min_prob: float) -> SuffixProposal:
+        """As `SuffixTrie.propose` over the prompt."""
+        starts, match_len = self.match(context)
+        tokens, probs, reach, length = [], [], 1.0, match_len
+        while starts and len(tokens) < min(max_tokens, self.depth - match_len):
+            children = self._children(starts, length)
+            if not children:
+                break
+            token, starts_after = max(children.items(), key=lambda item: (len(item[1]), -item[0]))
+            p = len(starts_after) / sum(len(s) for s in children.values())
+            if reach * p < min_prob:
+                break
+            reach *= p
+            tokens.append(token)
+            probs.append(p)
+            starts, length = starts_after, length + 1
+        return SuffixProposal(tuple(tokens), tuple(probs), match_len if tokens else 0)
+
+    def propose_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, min_prob: float) -> SuffixTree:
+        """As `SuffixTrie.propose_tree` over the prompt."""
+        starts, match_len = self.match(context)
+        if not starts:
+            return SuffixTree()
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        heap: list[tuple[float, int, int, int, int, list[int]]] = []  # (-prob, order, parent, depth, token, starts)
+        order = 0
+
+        def push_children(parent_starts: list[int], parent_id: int, parent_reach: float, depth: int) -> None:
+            nonlocal order
+            if depth > max_depth or match_len + depth > self.depth:
+                return
+            children = self._children(parent_starts, match_len + depth - 1)
+            total = sum(len(s) for s in children.values())
+            for token, child_starts in children.items():
+                reach = parent_reach * len(child_starts) / total
+                if reach >= min_prob:
+                    heapq.heappush(heap, (-reach, order, parent_id, depth, token, child_starts))
+                    order += 1
+
+        push_children(starts, 0, 1.0, 1)
+        while heap and len(tokens) < max_nodes:
+            neg_reach, _, parent_id, depth, token, child_starts = heapq.heappop(heap)
+            tokens.append(token)
+            parents.append(parent_id)
+            depths.append(depth)
+            push_children(child_starts, len(tokens), -neg_reach, depth + 1)
+        return SuffixTree(tuple(tokens), tuple(parents), tuple(depths))
+
+
 @dataclasses.dataclass(frozen=True)
 class SuffixConfig:
     """scope:         'global' (one trie over every request's outputs), 'tenant' (one per tenant key) or 'off'
@@ -228,11 +325,16 @@ class SuffixConfig:
             raise ValueError(f"suffix min_prob must be in [0, 1], got {self.min_prob}")
 
 
+def _rank(proposal: SuffixProposal) -> tuple[float, int]:
+    """How `SuffixIndex` ranks two tries' chains: expected accepted tokens, then match length."""
+    return proposal.expected_accepted, proposal.match_len
+
+
 @dataclasses.dataclass(eq=False)
 class _Live:
     scope_key: Hashable
     context: list[int]  # prompt + committed output
-    prompt: SuffixTrie
+    prompt: PromptOccurrences
 
 
 class SuffixIndex:
@@ -252,12 +354,11 @@ class SuffixIndex:
         return ("request", request_id)  # off: a request's own output only
 
     def start(self, request_id: Hashable, prompt: Sequence[int], tenant: Hashable | None = None) -> None:
-        """A request is admitted: its prompt gets its own trie."""
+        """A request is admitted: its prompt is indexed (`PromptOccurrences`, O(len))."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already in the suffix index")
-        prompt_trie = SuffixTrie(self.config.depth)
-        prompt_trie.extend(request_id, prompt)
-        self._live[request_id] = _Live(self._scope_key(request_id, tenant), [int(t) for t in prompt], prompt_trie)
+        self._live[request_id] = _Live(self._scope_key(request_id, tenant), [int(t) for t in prompt],
+                                       PromptOccurrences(prompt, self.config.depth))
 
     def extend(self, request_id: Hashable, tokens: Sequence[int]) -> None:
         """Committed output tokens of a live request (they enter its scope's output trie at once)."""
@@ -269,7 +370,7 @@ class SuffixIndex:
         trie.extend(request_id, tokens)
 
     def finish(self, request_id: Hashable, keep: bool) -> None:
-        """A request ended: its prompt trie goes; its output stays for later requests (keep=True, then the oldest
+        """A request ended: its prompt goes; its output stays for later requests (keep=True, then the oldest
         beyond the bounds are evicted) or is taken back out (a cancelled or failed request). Unknown ids: no-op."""
         live = self._live.pop(request_id, None)
         if live is None:
@@ -314,14 +415,20 @@ class SuffixIndex:
 
     @property
     def nodes(self) -> int:
-        """Trie nodes held, over every scope and live prompt."""
-        return sum(t.nodes for t in self._outputs.values()) + sum(v.prompt.nodes for v in self._live.values())
+        """Trie nodes held, over every scope (the outputs' tries; live prompts are `prompt_tokens`)."""
+        return sum(t.nodes for t in self._outputs.values())
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of the live requests' prompts held (one position each)."""
+        return sum(len(v.prompt.tokens) for v in self._live.values())
 
     def context(self, request_id: Hashable) -> tuple[int, ...]:
         return tuple(self._live[request_id].context)
 
     def propose(self, request_id: Hashable, max_tokens: int) -> SuffixProposal:
-        """The better (more expected accepted tokens) of the prompt trie's and the output trie's chains."""
+        """The better of the prompt's and the output trie's chains: more expected accepted tokens, then (on a
+        tie) the longer match, the continuation of more of the context."""
         live = self._live[request_id]
         if max_tokens <= 0:
             return SuffixProposal()
@@ -329,17 +436,17 @@ class SuffixIndex:
         trie = self._outputs.get(live.scope_key)
         if trie is not None:
             other = trie.propose(live.context, max_tokens, self.config.min_prob)
-            if other.expected_accepted > best.expected_accepted:
+            if _rank(other) > _rank(best):
                 best = other
         return best
 
     def propose_tree(self, request_id: Hashable, max_nodes: int, max_depth: int) -> SuffixTree:
-        """The tree of whichever trie's chain `propose` prefers (the output trie's, else the prompt's)."""
+        """The tree of whichever chain `propose` prefers (the output trie's, else the prompt's)."""
         live = self._live[request_id]
         chain_prompt = live.prompt.propose(live.context, max_depth, self.config.min_prob)
         trie = self._outputs.get(live.scope_key)
         if trie is not None:
             chain_out = trie.propose(live.context, max_depth, self.config.min_prob)
-            if chain_out.expected_accepted > chain_prompt.expected_accepted:
+            if _rank(chain_out) > _rank(chain_prompt):
                 return trie.propose_tree(live.context, max_nodes, max_depth, self.config.min_prob)
         return live.prompt.propose_tree(live.context, max_nodes, max_depth, self.config.min_prob)
