@@ -159,6 +159,9 @@ def smallest_at_least(buckets: Iterable[int], needed: int, what: str) -> int:
 # --- the menu ---------------------------------------------------------------------------
 
 
+DEFAULT_PAGE_SIZE = 16  # positions per KV page (docs/results/paged/attention.json: the kernel costs alike at 8-32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Menu:
     """The static shape menu and cache size (a named entry of jaxspec/configs/engine.yaml).
@@ -182,7 +185,7 @@ class Menu:
     window_buckets: tuple[int, ...] = (256, 1024)
     prefill_buckets: tuple[int, ...] = (32, 128)
     tree_envelopes: tuple[TreeEnvelope, ...] = ()
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     num_pages: int | None = None
 
     def __post_init__(self):

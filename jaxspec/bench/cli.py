@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", default=None, metavar="N[:D]",
                         help=f"{tree_help}; here the proposers 'ngram-tree' (added by default) and 'draft-tree' "
                              f"beside the chains, under fixed:N and goodput")
-    parser.add_argument("--max-len", type=int, default=None, help="cache length (default prompt cap + output cap + 16)")
+    parser.add_argument("--max-len", type=int, default=None,
+                        help="cache length, a multiple of 16 (default prompt cap + output cap + 16, rounded up to one)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     parser.add_argument("--quick", action="store_true", help="a smoke test, ≤ 10 min on 2 cores: few requests, "
                         "short outputs, 2 rates, 3 policies, every workload; too few requests to tell a 2 %% "
@@ -169,11 +170,19 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         rates=args.rates, fractions=args.load_fractions or ((0.5, 1.3) if q else (0.1, 0.3, 0.6, 0.9, 1.2)),
         closed_loop=args.closed_loop, requests=args.requests or (4 if q else 24), max_tokens=max_tokens,
         max_prompt_tokens=max_prompt, capacity=capacity, k_menu=tuple(args.k_menu),
-        max_len=args.max_len or max_prompt + max_tokens + max(args.k_menu + tree_k) + 16, ignore_eos=args.ignore_eos,
+        max_len=args.max_len or _whole_pages(max_prompt + max_tokens + max(args.k_menu + tree_k) + 16),
+        ignore_eos=args.ignore_eos,
         seed=args.seed, quick=q, progress=not args.no_progress,
         draft_only_on=("chat",) if q and args.proposers is None else None, tree=tree,
         overlap=not getattr(args, "no_overlap", False), repeats=repeats,
         decision_log=getattr(args, "decision_log", False))
+
+
+def _whole_pages(positions: int) -> int:
+    """`positions` rounded up to whole KV pages of the default size (every window is a multiple of it)."""
+    from jaxspec.menu import DEFAULT_PAGE_SIZE
+
+    return -(-positions // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE
 
 
 def bench_menu(s: Settings):
