@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     trees = [TreeEnvelope.parse(t) for t in args.trees.split(",")]
     chains, temperatures = args.chains, args.temperatures
     ks = sorted(set(chains) | {t.nodes for t in trees})
-    max_len = -(-max(256, 112 + args.max_tokens + max(ks) + 16) // 16) * 16  # prompt + output + the widest step + slack, whole KV pages
+    max_len = -(-max(256, 112 + args.max_tokens + max(ks) + 16) // 16) * 16  # prompt + output + widest step, in pages
     menu = Menu(num_slots=8, max_len=max_len, batch_buckets=(1, 8), k_menu=(0, *ks), window_buckets=(max_len,),
                 prefill_buckets=(128,))
     plain = Engine(target, None, menu)
