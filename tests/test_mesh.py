@@ -114,8 +114,8 @@ def test_tree_steps_on_a_mesh_equal_single_device(models, single_device, mesh):
 
 def test_weights_and_cache_carry_the_designed_shardings(models):
     """data=2, model=2 on the tiny model (N=4 query heads, G=2 kv heads, F=64, V=64): column-parallel
-    QKV and gate/up, row-parallel output and down projections, vocabulary-split embedding, cache
-    slots over data and kv heads over model; the draft is replicated."""
+    QKV and gate/up, row-parallel output and down projections, vocabulary-split embedding, the target's KV
+    pages over data and kv heads over model; the draft is replicated, its cache's slots over data."""
     target, draft, _ = models
     engine = Engine(target, DraftModelProposer(draft), MENU, mesh=MeshSpec(2, 2))
     embed_and_head, layers = engine.placed_weights()
@@ -129,10 +129,13 @@ def test_weights_and_cache_carry_the_designed_shardings(models):
     embed = embed_and_head["embed"]
     assert embed.sharding.shard_shape(embed.shape) == (c.vocab_size // 2, c.hidden_size)
     cache = engine.state.cache.k[0]
-    slot_rows = cache.shape[0]
-    assert slot_rows % 2 == 0 and slot_rows >= MENU.num_slots + 1  # S + scratch, padded to the data axis
-    assert cache.sharding.shard_shape(cache.shape) == (slot_rows // 2, MENU.max_len, c.num_kv_heads // 2, c.head_dim)
+    pages = cache.shape[0]
+    assert pages % 2 == 0 and pages >= MENU.pool_pages  # the pool (scratch page included), padded to the data axis
+    assert cache.sharding.shard_shape(cache.shape) == (pages // 2, MENU.page_size, c.num_kv_heads // 2, c.head_dim)
     draft_cache = engine.state.proposer.k[0]
+    slot_rows = draft_cache.shape[0]
+    assert slot_rows % 2 == 0 and slot_rows >= MENU.num_slots + 1  # S + scratch, padded to the data axis
+    assert draft_cache.sharding.shard_shape(draft_cache.shape)[:2] == (slot_rows // 2, MENU.max_len)
     assert draft_cache.sharding.shard_shape(draft_cache.shape)[2:] == draft_cache.shape[2:]  # heads replicated
     draft_params, draft_layers = engine.proposer.params(engine.proposer_placement)
     for leaf in jax.tree.leaves(draft_layers):  # the draft's layers are replicated

@@ -30,7 +30,9 @@ from tests import ray_batch_entry  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--tokenizer", "ascii", "--menu", "tiny", "--policy", "none"]
 ENGINE_ARGS = EngineArgs(model="tiny", tokenizer="ascii", menu="tiny", policy="none")
-TIMINGS = ("queued_s", "ttft_s", "tpot_s", "total_s")  # the only fields that differ between two runs
+# the only fields that differ between two runs: timings, and what the prefix cache served (it depends on which
+# requests ran before on the same replica)
+TIMINGS = ("queued_s", "ttft_s", "tpot_s", "total_s", "cached_prompt_tokens")
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bold jam".split()
 
 
