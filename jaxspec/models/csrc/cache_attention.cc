@@ -215,6 +215,7 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
   if (w_max == w_begin) return;
   int64_t offsets[kChunk];  // position w's keys (values) at pool.k (pool.v) + offsets[w - w_begin], all kv heads
   PositionOffsets(queries[0].pages, pool, w_begin, w_max, offsets);
+  const bool four_in_a_page = pool.page_size % 4 == 0;  // (chunks and tiles start at multiples of 4)
   // 1. scores[i, w - w_begin] = q_i · k_w / sqrt(H), or `masked`; four positions in flight, each its own Dot.
   //    While a tile's keys are used, the next tile's keys and this tile's values are fetched.
   for (int64_t tile = w_begin; tile < w_max; tile += kTile) {
@@ -230,7 +231,14 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
       auto lanes_at = [&](int64_t w) { return DotLanes(q_chunks, k_i + offsets[w - w_begin], chunks); };
       int64_t w = tile;
       for (; w + 4 <= tile_end; w += 4) {  // four positions side by side
-        const F4 dots = FoldFour(lanes_at(w), lanes_at(w + 1), lanes_at(w + 2), lanes_at(w + 3)) * scale;
+        // w is a multiple of 4: with P a multiple of 4 the four lie in one page, a stride apart
+        const float* __restrict k_w = k_i + offsets[w - w_begin];
+        const F4 dots = (four_in_a_page ? FoldFour(DotLanes(q_chunks, k_w, chunks),
+                                                   DotLanes(q_chunks, k_w + stride, chunks),
+                                                   DotLanes(q_chunks, k_w + 2 * stride, chunks),
+                                                   DotLanes(q_chunks, k_w + 3 * stride, chunks))
+                                        : FoldFour(lanes_at(w), lanes_at(w + 1), lanes_at(w + 2), lanes_at(w + 3))) *
+                         scale;
         const I4 sees = {sees_i[w], sees_i[w + 1], sees_i[w + 2], sees_i[w + 3]};
         const F4 four = sees != 0 ? dots : masked - F4{};
         std::memcpy(scores_i + w, &four, sizeof four);
@@ -271,9 +279,12 @@ static inline __attribute__((always_inline)) void AttendChunkBody(const Query* q
       F8 acc[kMaxChunks];
       for (int64_t m = 0; m < chunks; ++m) acc[m] = tile == w_begin ? F8{} : Load8(acc_i + 8 * m);
       const float* __restrict v_i = pool.v + queries[i].head;  // + offsets[w - w_begin]: position w, this kv head
-      for (int64_t w = tile; w < tile_end; ++w) {
+      for (int64_t w = tile; w < tile_end;) {  // page run by page run: within one, positions are a stride apart
+        const int64_t run_end = std::min(tile_end, (w / pool.page_size + 1) * pool.page_size);
         const float* __restrict v_w = v_i + offsets[w - w_begin];
-        for (int64_t m = 0; m < chunks; ++m) acc[m] += e_i[w] * Load8(v_w + 8 * m);
+        for (; w < run_end; ++w, v_w += stride) {
+          for (int64_t m = 0; m < chunks; ++m) acc[m] += e_i[w] * Load8(v_w + 8 * m);
+        }
       }
       for (int64_t m = 0; m < chunks; ++m) std::memcpy(acc_i + 8 * m, &acc[m], sizeof(F8));
     }
