@@ -159,7 +159,9 @@ def smallest_at_least(buckets: Iterable[int], needed: int, what: str) -> int:
 # --- the menu ---------------------------------------------------------------------------
 
 
-DEFAULT_PAGE_SIZE = 16  # positions per KV page (docs/results/paged/attention.json: the kernel costs alike at 8-32)
+# positions per KV page; the kernel alone reads 32-position pages 3-5 % faster at B = 8 (docs/benchmarks.md,
+# "Paged KV cache"): a default of 32 would also make it the multiple every window bucket must be
+DEFAULT_PAGE_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True)
