@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 SCOPES = ("global", "tenant", "off")
 
@@ -63,6 +63,38 @@ class SuffixTree:
     parents: tuple[int, ...] = ()
     depths: tuple[int, ...] = ()
 
+
+
+def best_first_tree(root, children: Callable, max_nodes: int, max_depth: int, min_prob: float) -> SuffixTree:
+    """A tree of continuations, nodes added best-first by path probability (at least `min_prob`), at most
+    `max_nodes` nodes and `max_depth` deep. `children(node, depth)` gives a node's continuations at `depth` as
+    {token: (count, child node)}, in the order ties keep (a trie's, or the prompt's occurrences')."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    heap: list[tuple] = []  # (-path prob, order, parent id, depth, token, child node)
+    order = 0
+
+    def push_children(parent, parent_id: int, parent_reach: float, depth: int) -> None:
+        nonlocal order
+        if depth > max_depth:
+            return
+        continuations = children(parent, depth)
+        total = sum(count for count, _ in continuations.values())
+        for token, (count, child) in continuations.items():
+            reach = parent_reach * count / total
+            if reach >= min_prob:
+                heapq.heappush(heap, (-reach, order, parent_id, depth, token, child))
+                order += 1
+
+    push_children(root, 0, 1.0, 1)
+    while heap and len(tokens) < max_nodes:
+        neg_reach, _, parent_id, depth, token, child = heapq.heappop(heap)
+        tokens.append(token)
+        parents.append(parent_id)
+        depths.append(depth)
+        push_children(child, len(tokens), -neg_reach, depth + 1)
+    return SuffixTree(tuple(tokens), tuple(parents), tuple(depths))
 
 class SuffixTrie:
     """Every substring of at most `depth` tokens of the held sequences, with occurrence counts."""
@@ -176,31 +208,13 @@ class SuffixTrie:
         node, match_len = self.match(context)
         if node is None:
             return SuffixTree()
-        tokens: list[int] = []
-        parents: list[int] = []
-        depths: list[int] = []
-        heap: list[tuple[float, int, int, int, int, _Node]] = []  # (-path prob, order, parent id, depth, token, node)
-        order = 0
 
-        def push_children(parent_node: _Node, parent_id: int, parent_reach: float, depth: int) -> None:
-            nonlocal order
-            if depth > max_depth or match_len + depth > self.depth:
-                return
-            total = sum(c.count for c in parent_node.children.values())
-            for token, child in parent_node.children.items():
-                reach = parent_reach * child.count / total
-                if reach >= min_prob:
-                    heapq.heappush(heap, (-reach, order, parent_id, depth, token, child))
-                    order += 1
+        def children(parent: _Node, depth: int) -> dict[int, tuple[int, _Node]]:
+            if match_len + depth > self.depth:  # a path is at most depth deep
+                return {}
+            return {token: (child.count, child) for token, child in parent.children.items()}
 
-        push_children(node, 0, 1.0, 1)
-        while heap and len(tokens) < max_nodes:
-            neg_reach, _, parent_id, depth, token, child = heapq.heappop(heap)
-            tokens.append(token)
-            parents.append(parent_id)
-            depths.append(depth)
-            push_children(child, len(tokens), -neg_reach, depth + 1)
-        return SuffixTree(tuple(tokens), tuple(parents), tuple(depths))
+        return best_first_tree(node, children, max_nodes, max_depth, min_prob)
 
 
 class PromptOccurrences:
@@ -270,32 +284,14 @@ class PromptOccurrences:
         starts, match_len = self.match(context)
         if not starts:
             return SuffixTree()
-        tokens: list[int] = []
-        parents: list[int] = []
-        depths: list[int] = []
-        heap: list[tuple[float, int, int, int, int, list[int]]] = []  # (-prob, order, parent, depth, token, starts)
-        order = 0
 
-        def push_children(parent_starts: list[int], parent_id: int, parent_reach: float, depth: int) -> None:
-            nonlocal order
-            if depth > max_depth or match_len + depth > self.depth:
-                return
-            children = self._children(parent_starts, match_len + depth - 1)
-            total = sum(len(s) for s in children.values())
-            for token, child_starts in children.items():
-                reach = parent_reach * len(child_starts) / total
-                if reach >= min_prob:
-                    heapq.heappush(heap, (-reach, order, parent_id, depth, token, child_starts))
-                    order += 1
+        def children(parent_starts: list[int], depth: int) -> dict[int, tuple[int, list[int]]]:
+            if match_len + depth > self.depth:
+                return {}
+            return {token: (len(child_starts), child_starts)
+                    for token, child_starts in self._children(parent_starts, match_len + depth - 1).items()}
 
-        push_children(starts, 0, 1.0, 1)
-        while heap and len(tokens) < max_nodes:
-            neg_reach, _, parent_id, depth, token, child_starts = heapq.heappop(heap)
-            tokens.append(token)
-            parents.append(parent_id)
-            depths.append(depth)
-            push_children(child_starts, len(tokens), -neg_reach, depth + 1)
-        return SuffixTree(tuple(tokens), tuple(parents), tuple(depths))
+        return best_first_tree(starts, children, max_nodes, max_depth, min_prob)
 
 
 @dataclasses.dataclass(frozen=True)
