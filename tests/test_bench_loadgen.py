@@ -90,6 +90,23 @@ def test_closed_loop_keeps_concurrency():
     assert max(s.finish_s for s in samples) == pytest.approx(1.2)  # 12 single-token steps
 
 
+def test_closed_loop_runs_each_session_in_order_on_one_client():
+    """Sessions [a, a, b, b] at concurrency 2: a's second request is submitted when its first finished (not
+    alongside it, as without sessions), and each session keeps its order."""
+    reqs = [types.SimpleNamespace(request_id=f"r{i}") for i in range(4)]
+    clock = FakeClock()
+    by_id = {s.request_id: s for s in run_closed_loop(StubScheduler(clock), reqs, concurrency=2,
+                                                      sessions=["a", "a", "b", "b"], clock=clock)}
+    assert by_id["r0"].arrival_s == by_id["r2"].arrival_s == 0.0  # the two clients' first requests
+    assert by_id["r1"].arrival_s == pytest.approx(by_id["r0"].finish_s)
+    assert by_id["r3"].arrival_s == pytest.approx(by_id["r2"].finish_s)
+    clock = FakeClock()
+    plain = {s.request_id: s for s in run_closed_loop(StubScheduler(clock), reqs, concurrency=2, clock=clock)}
+    assert plain["r1"].arrival_s == 0.0  # without sessions r1 is the second client's first request
+    with pytest.raises(ValueError, match="session ids"):
+        run_closed_loop(StubScheduler(FakeClock()), reqs, concurrency=2, sessions=["a"])
+
+
 def test_k0_pricing_counts_decisions_that_overpriced_plain_decoding():
     from benchmarks.goodput_pricing import k0_pricing
 

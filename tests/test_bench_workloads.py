@@ -57,3 +57,6 @@ def test_agentic_sessions_keep_related_requests_together():
         texts = w.texts[s * AGENT_SESSION:(s + 1) * AGENT_SESSION]
         contexts = {t[:60] for t in texts}  # one schema or function (cut to fit, so compared by its start)
         assert len(contexts) == 1 and len(set(texts)) == AGENT_SESSION
+        assert len(set(w.sessions[s * AGENT_SESSION:(s + 1) * AGENT_SESSION])) == 1  # one session id each
+    assert w.sessions[0] != w.sessions[AGENT_SESSION] and w.head(3).sessions == w.sessions[:3]
+    assert load_workload("chat", None, 2, vocab_size=512).sessions == ()  # requests stand alone

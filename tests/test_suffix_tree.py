@@ -266,3 +266,20 @@ def test_config_rejects_bad_values():
         SuffixConfig(scope="everyone")
     with pytest.raises(ValueError, match="depth"):
         SuffixConfig(depth=1)
+
+
+def test_a_copy_of_a_held_sequence_is_proposed_in_full_at_every_position():
+    """Repeating an earlier output: however long the context's match, the proposal has room for every token asked
+    (the match is cut to depth − max_tokens), from the trie and from the prompt alike."""
+    seq = list(range(100, 140))
+    depth, k = 10, 6
+    trie = SuffixTrie(depth)
+    trie.extend("earlier", seq)
+    occurrences = PromptOccurrences(seq, depth)
+    for n in range(1, len(seq) - k):
+        for source in (trie, occurrences):
+            p = source.propose(seq[:n], k, min_prob=0.5)
+            assert p.tokens == tuple(seq[n:n + k]), (n, source)
+            assert p.match_len == min(n, depth - k)
+            tree = source.propose_tree(seq[:n], max_nodes=k, max_depth=k, min_prob=0.5)
+            assert tree.tokens == tuple(seq[n:n + k]) and tree.depths == tuple(range(1, k + 1))

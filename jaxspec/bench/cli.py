@@ -300,7 +300,8 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
             points = [("rate", r) for r in rates]
         for kind, value in points:
             n = max(s.requests, 2 * value) if kind == "concurrency" else s.requests
-            reqs = _requests(dataclasses.replace(workload, prompts=workload.prompts[:n]), s, wname)
+            cell = workload.head(n)
+            reqs = _requests(cell, s, wname)
             order = {r.request_id: i for i, r in enumerate(reqs)}
             runs: dict[tuple[str, str], list[dict]] = {}  # (proposer, policy) -> one measurement per repeat
             outputs = {}
@@ -315,7 +316,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                 if kind == "rate":
                     samples = run_open_loop(sched, reqs, arrivals)
                 else:
-                    samples = run_closed_loop(sched, reqs, int(value))
+                    samples = run_closed_loop(sched, reqs, int(value), sessions=cell.sessions or None)
                 if compile_counter.count() != before:
                     raise RuntimeError(f"{compile_counter.count() - before} compiles inside a measured run")
                 outputs[(proposer_name, spec)] = {x.request_id: x.tokens for x in samples}

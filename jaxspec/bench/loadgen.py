@@ -12,8 +12,11 @@ its measured times are corrected back to its scheduled arrival:
     ttft_s    = first token − a_i       time to first token
     tpot_s    = (finish − first token) / (tokens − 1)   time per output token after the first
 
-Closed loop (`run_closed_loop`): `concurrency` requests are in flight at all times; a finished one is
-replaced at once by the next, until all have run. latency_s = finish − submit.
+Closed loop (`run_closed_loop`): `concurrency` clients keep one request in flight each; a finished one is
+replaced at once by the next, until all have run. latency_s = finish − submit. With sessions (an agent's related
+requests, the agentic workload), a client runs a whole session in order (its next request once the one before
+finished, as an agent that reads each answer) before it takes the next session; without, every request is a
+session of its own.
 
 Summary (`summarize`): mean / p50 / p99 latency, mean / p99 ttft, mean tpot, tokens_per_s = output
 tokens / (last finish − first arrival), acceptance = accepted / proposed proposals, k_hist = how many
@@ -22,9 +25,10 @@ tokens / (last finish − first arrival), acceptance = accepted / proposed propo
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -97,24 +101,36 @@ def run_open_loop(scheduler: Scheduler, requests: Sequence[Request], arrivals: S
 
 
 def run_closed_loop(scheduler: Scheduler, requests: Sequence[Request], concurrency: int, *,
-                    clock: Callable[[], float] = time.perf_counter,
+                    sessions: Sequence[Hashable] | None = None, clock: Callable[[], float] = time.perf_counter,
                     on_done: Callable[[Sample], None] | None = None) -> list[Sample]:
-    """Keep `concurrency` requests in flight until every request has run."""
+    """Keep `concurrency` clients' requests in flight until every request has run. `sessions`: each request's
+    session (None: one each); a client runs its session's requests in order, then takes the next session."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    if sessions is not None and len(sessions) != len(requests):
+        raise ValueError(f"{len(sessions)} session ids for {len(requests)} requests")
+    queues: dict[Hashable, collections.deque[Request]] = {}  # session -> its requests not yet submitted, in order
+    for i, r in enumerate(requests):
+        queues.setdefault(i if sessions is None else sessions[i], collections.deque()).append(r)
+    waiting = collections.deque(queues.values())  # sessions no client has taken yet
     t0 = clock()
-    pending = list(requests)[::-1]
-    handles, samples = {}, []
-    while pending or handles:
-        while pending and len(handles) < concurrency:
-            r = pending.pop()
-            now = clock() - t0
-            handles[r.request_id] = (scheduler.submit(r, stream=False), now)
-        if not scheduler.step_once() and not any(h.done() for h, _ in handles.values()):
+    handles: dict[Hashable, tuple] = {}  # request id -> (handle, submitted, its session's queue)
+    samples = []
+
+    def submit(queue: collections.deque[Request]) -> None:
+        r = queue.popleft()
+        handles[r.request_id] = (scheduler.submit(r, stream=False), clock() - t0, queue)
+
+    while waiting or handles:
+        while waiting and len(handles) < concurrency:
+            submit(waiting.popleft())
+        if not scheduler.step_once() and not any(h.done() for h, _, _ in handles.values()):
             raise RuntimeError(f"scheduler made no progress with {len(handles)} live requests")
-        for rid in [r for r, (h, _) in handles.items() if h.done()]:
-            handle, submitted = handles.pop(rid)
+        for rid in [r for r, (h, _, _) in handles.items() if h.done()]:
+            handle, submitted, queue = handles.pop(rid)
             samples.append(_sample(handle.result(), submitted, submitted))
+            if queue:  # the client goes on with its session
+                submit(queue)
             if on_done:
                 on_done(samples[-1])
     return samples

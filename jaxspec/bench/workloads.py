@@ -13,7 +13,8 @@
     agentic        an agent's sessions (suffix decoding's workload): runs of AGENT_SESSION related requests
                    that reuse earlier outputs, alternately text-to-SQL questions over one defog-data schema and
                    successive edits of one HumanEval function (rename it, then rename it again, ...); sessions
-                   are drawn by the seed, requests keep their order inside a session
+                   are drawn by the seed, requests keep their order inside a session, and a closed loop runs
+                   each session on one client, a request after the one before it finished
 
 Every workload is a list of prompts (chat-templated when the tokenizer has a template) and a per-
 request output cap. Selection is seeded (`numpy.random.default_rng(seed)` over the candidates) and
@@ -49,12 +50,19 @@ QA_QUESTIONS = (
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """name: one of WORKLOADS. prompts: token ids per request. texts: the user messages.
-    max_tokens: output cap per request."""
+    max_tokens: output cap per request. sessions: each request's session (agentic: an agent's related
+    requests, run in order by one client of a closed loop); () when every request stands alone."""
 
     name: str
     prompts: tuple[tuple[int, ...], ...]
     texts: tuple[str, ...]
     max_tokens: int
+    sessions: tuple[int, ...] = ()
+
+    def head(self, n: int) -> Workload:
+        """The first `n` requests."""
+        return dataclasses.replace(self, prompts=self.prompts[:n], texts=self.texts[:n],
+                                   sessions=self.sessions[:n])
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -283,7 +291,7 @@ def load_workload(name: str, tokenizer, n: int, *, seed: int = 0, max_prompt_tok
     if name == "agentic":  # sessions in a seeded order, each session's requests in their own order
         sessions = np.random.default_rng(seed).permutation(len(items) // AGENT_SESSION)
         order = (sessions[:, None] * AGENT_SESSION + np.arange(AGENT_SESSION)[None, :]).reshape(-1)
-    prompts, texts = [], []
+    prompts, texts, sessions = [], [], []
     for i in order:
         fitted = _fit(tokenizer, *items[int(i)], max_prompt_tokens, keep_tail=name == "code")
         if fitted is None or len(fitted[0]) < 4:
@@ -292,11 +300,13 @@ def load_workload(name: str, tokenizer, n: int, *, seed: int = 0, max_prompt_tok
             continue  # an edit needs the whole text it edits
         prompts.append(tuple(fitted[0]))
         texts.append(fitted[1])
+        sessions.append(int(i) // AGENT_SESSION)
         if len(prompts) == n:
             break
     if len(prompts) < n:
         raise ValueError(f"workload {name!r}: only {len(prompts)} prompts fit {max_prompt_tokens} tokens (wanted {n})")
-    return Workload(name, tuple(prompts), tuple(texts), max_tokens)
+    return Workload(name, tuple(prompts), tuple(texts), max_tokens,
+                    tuple(sessions) if name == "agentic" else ())
 
 
 def parse_names(text: str | Sequence[str]) -> tuple[str, ...]:

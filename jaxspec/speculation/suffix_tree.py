@@ -5,7 +5,7 @@ ids with per-node counts, and the index that keeps them for the server's request
 count is how many times its substring occurs. Sequences grow token by token (O(depth) per token) and leave whole
 (their substrings' counts are taken back, nodes that reach 0 are dropped), so the trie always equals the one
 built from the sequences it holds. A proposal walks from the longest suffix of the context that has a
-continuation, taking the most frequent child each time; each token carries its conditional frequency
+continuation and leaves room for the proposal (`match_room`), taking the most frequent child each time; each token carries its conditional frequency
 (count(child) / Σ count(children)), the tree's confidence.
 
 `SuffixIndex` keeps, per scope key (global, per tenant, or none), one trie over the outputs of the last
@@ -96,6 +96,14 @@ def best_first_tree(root, children: Callable, max_nodes: int, max_depth: int, mi
         push_children(child, len(tokens), -neg_reach, depth + 1)
     return SuffixTree(tuple(tokens), tuple(parents), tuple(depths))
 
+def match_room(depth: int, continuation: int) -> int:
+    """The longest match a proposal of `continuation` tokens may continue in a trie of paths `depth` deep: a
+    substring is at most `depth` tokens, match and continuation together, so a longer match would cut the
+    proposal short just when the context repeats a held sequence (a copy proposes one token per step at
+    match length depth − 1). At least 1."""
+    return max(1, depth - continuation)
+
+
 class SuffixTrie:
     """Every substring of at most `depth` tokens of the held sequences, with occurrence counts."""
 
@@ -160,12 +168,13 @@ class SuffixTrie:
             stack.extend(cur.children.values())
         return n
 
-    def match(self, context: Sequence[int]) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of `context` (shorter than `depth`) that has a continuation, and its
-        length; (None, 0) if none has. The trie holds every substring of what it holds, so if a suffix is
-        continued every shorter one is too: a binary search over the length finds the longest, O(depth log depth)."""
+    def match(self, context: Sequence[int], max_len: int | None = None) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `context` (shorter than `depth`, at most `max_len` tokens) that has a
+        continuation, and its length; (None, 0) if none has. The trie holds every substring of what it holds, so if
+        a suffix is continued every shorter one is too: a binary search over the length finds the longest,
+        O(depth log depth)."""
         found: tuple[_Node | None, int] = (None, 0)
-        low, high = 1, min(len(context), self.depth - 1)
+        low, high = 1, min(len(context), self.depth - 1, self.depth - 1 if max_len is None else max_len)
         while low <= high:
             length = (low + high) // 2
             node = self._continued(context, length)
@@ -185,9 +194,10 @@ class SuffixTrie:
         return node if node.children else None
 
     def propose(self, context: Sequence[int], max_tokens: int, min_prob: float) -> SuffixProposal:
-        """The most frequent continuation of the context's longest continued suffix, up to `max_tokens` tokens,
-        stopping before the path's probability (the product of the tokens' confidences) falls below `min_prob`."""
-        node, match_len = self.match(context)
+        """The most frequent continuation of the context's longest continued suffix that leaves the continuation
+        room for `max_tokens` tokens (`match_room`), up to `max_tokens` tokens, stopping before the path's
+        probability (the product of the tokens' confidences) falls below `min_prob`."""
+        node, match_len = self.match(context, match_room(self.depth, max_tokens))
         tokens, probs, reach = [], [], 1.0
         # a path is at most depth deep: the continuation of a match of n tokens has depth - n levels
         while node is not None and node.children and len(tokens) < min(max_tokens, self.depth - match_len):
@@ -205,7 +215,7 @@ class SuffixTrie:
     def propose_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, min_prob: float) -> SuffixTree:
         """The most probable continuations as a tree: nodes added best-first by path probability (at least
         `min_prob`), at most `max_nodes` nodes and `max_depth` deep."""
-        node, match_len = self.match(context)
+        node, match_len = self.match(context, match_room(self.depth, max_depth))
         if node is None:
             return SuffixTree()
 
@@ -231,11 +241,12 @@ class PromptOccurrences:
         for i, token in enumerate(self.tokens):
             self._positions.setdefault(token, []).append(i)
 
-    def match(self, context: Sequence[int]) -> tuple[list[int], int]:
-        """The start positions of the longest suffix of `context` (shorter than `depth`) that occurs in the prompt
-        with a following token, among those occurrences that have one, and its length; ([], 0) if none."""
+    def match(self, context: Sequence[int], max_len: int | None = None) -> tuple[list[int], int]:
+        """The start positions of the longest suffix of `context` (shorter than `depth`, at most `max_len` tokens)
+        that occurs in the prompt with a following token, among those occurrences that have one, and its length;
+        ([], 0) if none."""
         prompt, n = self.tokens, len(self.tokens)
-        limit = min(len(context), self.depth - 1)
+        limit = min(len(context), self.depth - 1, self.depth - 1 if max_len is None else max_len)
         if limit == 0:
             return [], 0
         tail = [int(t) for t in context[len(context) - limit:]]  # [limit] the suffixes' tokens
@@ -263,7 +274,7 @@ class PromptOccurrences:
 
     def propose(self, context: Sequence[int], max_tokens: int, min_prob: float) -> SuffixProposal:
         """As `SuffixTrie.propose` over the prompt."""
-        starts, match_len = self.match(context)
+        starts, match_len = self.match(context, match_room(self.depth, max_tokens))
         tokens, probs, reach, length = [], [], 1.0, match_len
         while starts and len(tokens) < min(max_tokens, self.depth - match_len):
             children = self._children(starts, length)
@@ -281,7 +292,7 @@ class PromptOccurrences:
 
     def propose_tree(self, context: Sequence[int], max_nodes: int, max_depth: int, min_prob: float) -> SuffixTree:
         """As `SuffixTrie.propose_tree` over the prompt."""
-        starts, match_len = self.match(context)
+        starts, match_len = self.match(context, match_room(self.depth, max_depth))
         if not starts:
             return SuffixTree()
 
