@@ -82,6 +82,31 @@ def test_a_shared_prefix_is_served_from_the_cache():
     _check_invariants(pool)
 
 
+def test_clearing_the_prefix_cache_frees_unheld_pages_and_misses_after():
+    """Cleared with one slot still holding a cached prefix: its pages stay its own (freed, not cached, on
+    release); the unheld cached pages are free; the same prompt then misses."""
+    pool = _pool(num_pages=13)
+    system = list(range(100, 108))
+    for slot in (0, 1):
+        assert pool.admit(slot, system + [slot]) == (0 if slot == 0 else 8)
+        _prefill(pool, slot, system + [slot], 8 if slot else 0)
+    pool.release(0)
+    other = list(range(200, 208)) + [5]
+    pool.admit(2, other)
+    _prefill(pool, 2, other, 0)
+    pool.release(2)  # its two full pages: cached, unheld
+    assert pool.stats().cached == 2
+    pool.clear_prefix_cache()
+    assert pool.stats().cached == 0
+    _check_invariants(pool)
+    assert pool.admit(2, other) == 0 and pool.admit(0, system + [9]) == 0
+    pool.release(1)
+    pool.release(0)
+    pool.release(2)
+    assert pool.stats().free == pool.num_pages - 1 - pool.stats().cached
+    _check_invariants(pool)
+
+
 def test_a_different_prefix_or_scope_misses():
     pool = _pool()
     prompt = list(range(100, 112))

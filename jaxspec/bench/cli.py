@@ -308,7 +308,8 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
 
             def measure(engine, spec, proposer_name, arrivals):
                 policy = None if spec == "none" else make_bench_policy(spec, engine)
-                if engine.suffix_index is not None:  # every cell starts with no earlier outputs
+                engine.clear_prefix_cache()  # every cell starts with no earlier prompts cached
+                if engine.suffix_index is not None:  # ... and no earlier outputs
                     engine.suffix_index.clear()
                 sched = _scheduler(engine, policy, tokenizer, s.capacity, s.overlap)
                 before = compile_counter.count()

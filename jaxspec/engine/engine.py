@@ -319,6 +319,10 @@ class Engine:
         self.free(slot)
         return self.pages.admit(slot, prompt)
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (benchmark runs that must start alike; jaxspec.engine.pages)."""
+        self.pages.clear_prefix_cache()
+
     def page_stats(self) -> PageStats:
         """The target's pool: pages in use, cached for reuse, free."""
         return self.pages.stats()

@@ -85,6 +85,15 @@ class PagePool:
             self._prompt[slot], self._keyed[slot] = [], []
         self._admitted[:] = False
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (runs that must start alike): cached pages no slot holds are free again,
+        held ones stay with their slots as private pages."""
+        self._free.extend(sorted(self._evictable, reverse=True))
+        self._evictable.clear()
+        self._key_of.clear()
+        self._page_of.clear()
+        self._tokens_of.clear()
+
     @property
     def available(self) -> int:
         """Pages a request can take now: free ones and cached ones no slot holds."""
