@@ -63,10 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh", "kernels", "no_overlap"),
                              defaults={"draft": "default"})
     parser.add_argument("--proposers", type=_strs, default=None,
-                        help="comma-separated of ngram,draft,feature (feature: the draft proposer with --draft "
-                             "feature, side by side with --draft's; default: ngram,draft; --quick: draft on chat only)")
+                        help="comma-separated of ngram,draft,feature,suffix and, with --tree, ngram-tree,draft-tree,"
+                             "suffix-tree (feature: the draft proposer with --draft feature, side by side with "
+                             "--draft's; default: ngram,draft; --quick: draft on chat only)")
     parser.add_argument("--workload", "--workloads", dest="workloads", default="all",
-                        help="comma-separated of chat,summarization,qa,sql,code or 'all' (default: all)")
+                        help="comma-separated of chat,summarization,qa,sql,code,edit,agentic or 'all' (the first five; "
+                             "default: all). agentic: sessions of related requests, each run in order by one "
+                             "closed-loop client")
     parser.add_argument("--policies", type=_strs, default=None,
                         help=f"comma-separated policy specs (default: {','.join(ALL_POLICIES)})")
     parser.add_argument("--rates", type=_floats, default=None, help="request rates in requests/s (default: from "
@@ -74,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-fractions", type=_floats, default=None,
                         help="rates as fractions of the measured service rate (default 0.1,0.3,0.6,0.9,1.2)")
     parser.add_argument("--closed-loop", type=_ints, default=None, metavar="C1,C2,..",
-                        help="closed-loop mode at these concurrencies instead of Poisson load (issue 5)")
+                        help="closed-loop mode at these concurrencies instead of Poisson load")
     parser.add_argument("--requests", type=int, default=None, help="requests per cell (default 24, quick 4)")
     parser.add_argument("--max-tokens", type=int, default=None, help="output cap per request (default 64, quick 24)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt cap (default 256, quick 160)")
