@@ -527,6 +527,38 @@ def test_step_listeners_see_every_step_and_cannot_fail_requests():
     assert all(s.decision.k == 3 and s.view.batch_size == len(s.result.proposed) for s in seen)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_step_time_leaves_out_the_prefill_chunks_run_meanwhile(overlap):
+    """Steps cost 0.25 s and prefill chunks 1 s on the scheduler's clock; requests join while others decode, so
+    the overlapped loop prefills while a step is in flight. What the policy observes adds up to the steps' time and
+    holds no chunk's second (they are the prompts' cost, not the step's), in both loops. (Overlapped, the fake's
+    time falls at dispatch, so a step's period can hold its successor's dispatch: 0.5, then 0 at the end.)"""
+    now = [0.0]
+    engine = fake(accept=1)
+    real_step, real_prefill = engine.dispatch_step, engine.prefill_chunk
+    dispatched = []
+
+    def step(*args, **kwargs):
+        now[0] += 0.25
+        dispatched.append(now[0])
+        return real_step(*args, **kwargs)
+
+    def prefill(*args, **kwargs):
+        now[0] += 1.0
+        return real_prefill(*args, **kwargs)
+
+    engine.dispatch_step, engine.prefill_chunk = step, prefill
+    policy = RecordingPolicy()
+    sched = Scheduler(engine, policy, clock=lambda: now[0], config=SchedulerConfig(max_running=2, overlap=overlap))
+    reqs = requests()
+    check_counting(engine, sched.generate_all(reqs), reqs)
+    assert len(reqs) > 2 and len(policy.elapsed) == sched.steps_run == len(dispatched) > 0
+    assert sum(policy.elapsed) == pytest.approx(0.25 * len(dispatched))
+    assert max(policy.elapsed) <= 0.5
+    if not overlap:
+        assert policy.elapsed == pytest.approx([0.25] * len(policy.elapsed))
+
+
 def test_seeds_of_sampled_requests():
     engine = fake()
     seeds = {}

@@ -98,8 +98,10 @@ class StepStats:
 
     view:      what the policy saw.   decision: what it chose.   result: what the engine returned.
     elapsed_s: wall seconds from the step's dispatch, or from the previous step's read if later, to its read,
-               on the scheduler's clock, lazy draft catch-up included (`result.catch_up_s` of them). Synchronous:
-               the step's own time; overlapped: the loop's period per step (what the step costs the loop).
+               on the scheduler's clock, lazy draft catch-up included (`result.catch_up_s` of them), less the
+               prefill chunks run in that span (the overlapped loop runs them while the step is in flight, and the
+               device runs them after it: the prompts' cost, not the step's). Synchronous: the step's own time;
+               overlapped: the loop's period per step (what the step costs the loop).
     """
 
     view: BatchView
@@ -224,6 +226,7 @@ class Scheduler:
         self._admissions = 0
         self._in_flight: _InFlight | None = None  # overlapped: the step dispatched and not read yet
         self._last_read_at = float("-inf")  # when the last step was read (the overlapped step's start)
+        self._prefill_spans: list[tuple[float, float]] = []  # (start, end) of the prefill chunks run since then
 
     # --- the public contract (any thread) ----------------------------------------------
 
@@ -427,6 +430,7 @@ class Scheduler:
         context, p = live.context, live.request.params
         start = live.prefilled
         is_last = start + n == len(context)
+        began = self.clock()
         try:
             first = self.engine.prefill_chunk(live.slot, np.asarray(context[start:start + n], np.int32), start,
                                               is_last, p, live.seed, generated=len(live.output.token_ids))
@@ -436,6 +440,7 @@ class Scheduler:
                 self._recover_engine(f"engine state lost in a failed prefill: {exc!r}", spare=live)
             self._finish(live, FinishReason.ERROR, f"prefill failed: {exc!r}")
             return
+        self._prefill_spans.append((began, self.clock()))  # the chunk has run: not the step's time
         live.prefilled = start + n
         if is_last:
             live.running = True
@@ -584,8 +589,10 @@ class Scheduler:
                 self._recover_engine(f"engine step failed: {exc!r}")
             return
         now = self.clock()
-        stats = StepStats(step.view, step.decision, result, now - max(step.dispatched_at, self._last_read_at))
-        self._last_read_at = now
+        start = max(step.dispatched_at, self._last_read_at)
+        prefill = sum(max(0.0, min(end, now) - max(began, start)) for began, end in self._prefill_spans)
+        stats = StepStats(step.view, step.decision, result, max(0.0, now - start - prefill))
+        self._last_read_at, self._prefill_spans = now, []
         self.steps_run += 1
         self._publish(stats)
         try:  # the policy's cost model times the step executable: lazy catch-up is not part of it
