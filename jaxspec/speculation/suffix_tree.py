@@ -5,8 +5,8 @@ ids with per-node counts, and the index that keeps them for the server's request
 count is how many times its substring occurs. Sequences grow token by token (O(depth) per token) and leave whole
 (their substrings' counts are taken back, nodes that reach 0 are dropped), so the trie always equals the one
 built from the sequences it holds. A proposal walks from the longest suffix of the context that has a
-continuation and leaves room for the proposal (`match_room`), taking the most frequent child each time; each token carries its conditional frequency
-(count(child) / Σ count(children)), the tree's confidence.
+continuation and leaves room for the proposal (`match_room`), taking the most frequent child each time; each
+token carries its conditional frequency (count(child) / Σ count(children)), the tree's confidence.
 
 `SuffixIndex` keeps, per scope key (global, per tenant, or none), one trie over the outputs of the last
 `max_requests` requests (and at most `max_tokens` output tokens: the oldest finished request is evicted first),
