@@ -11,8 +11,8 @@ before=$(cut -d' ' -f1-3 /proc/loadavg); date=$(date -u +%FT%TZ)
 cmd=(python -m jaxspec.bench.cli --closed-loop "${LOADS:-1,4}" --proposers ngram,suffix
      --policies "${POLICIES:-none,fixed:2,fixed:4,fixed:8,goodput}"
      --workload "${WORKLOADS:-agentic,chat,edit}" --requests "${REQUESTS:-8}" --max-tokens "${MAX_TOKENS:-48}"
-     --repeats "${REPEATS:-1}" --max-prompt-tokens 512 --k-menu ${K_MENU:-0,2,4,8} --ignore-eos --no-plots --no-progress --json "$out/$name.json"
-     --out "$out")
+     --repeats "${REPEATS:-1}" --max-prompt-tokens 512 --k-menu "${K_MENU:-0,2,4,8}" --ignore-eos --no-plots
+     --no-progress --json "$out/$name.json" --out "$out")
 "${cmd[@]}"
 after=$(cut -d' ' -f1-3 /proc/loadavg)
 python - "$out/$name.json" "$date" "$before" "$after" "${cmd[*]}" <<'PY'

@@ -226,7 +226,7 @@ class Scheduler:
         self._admissions = 0
         self._in_flight: _InFlight | None = None  # overlapped: the step dispatched and not read yet
         self._last_read_at = float("-inf")  # when the last step was read (the overlapped step's start)
-        self._prefill_spans: list[tuple[float, float]] = []  # (start, end) of the prefill chunks run since then
+        self._prefill_in_flight_s = 0.0  # seconds of prefill chunks run while the step in flight ran (overlapped)
 
     # --- the public contract (any thread) ----------------------------------------------
 
@@ -440,7 +440,8 @@ class Scheduler:
                 self._recover_engine(f"engine state lost in a failed prefill: {exc!r}", spare=live)
             self._finish(live, FinishReason.ERROR, f"prefill failed: {exc!r}")
             return
-        self._prefill_spans.append((began, self.clock()))  # the chunk has run: not the step's time
+        if self._in_flight is not None:  # run while a step was in flight: the prompt's time, not the step's
+            self._prefill_in_flight_s += self.clock() - began
         live.prefilled = start + n
         if is_last:
             live.running = True
@@ -589,10 +590,9 @@ class Scheduler:
                 self._recover_engine(f"engine step failed: {exc!r}")
             return
         now = self.clock()
-        start = max(step.dispatched_at, self._last_read_at)
-        prefill = sum(max(0.0, min(end, now) - max(began, start)) for began, end in self._prefill_spans)
-        stats = StepStats(step.view, step.decision, result, max(0.0, now - start - prefill))
-        self._last_read_at, self._prefill_spans = now, []
+        period = now - max(step.dispatched_at, self._last_read_at)
+        stats = StepStats(step.view, step.decision, result, max(0.0, period - self._prefill_in_flight_s))
+        self._last_read_at, self._prefill_in_flight_s = now, 0.0
         self.steps_run += 1
         self._publish(stats)
         try:  # the policy's cost model times the step executable: lazy catch-up is not part of it

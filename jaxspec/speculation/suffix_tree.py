@@ -174,7 +174,8 @@ class SuffixTrie:
         a suffix is continued every shorter one is too: a binary search over the length finds the longest,
         O(depth log depth)."""
         found: tuple[_Node | None, int] = (None, 0)
-        low, high = 1, min(len(context), self.depth - 1, self.depth - 1 if max_len is None else max_len)
+        longest = self.depth - 1 if max_len is None else min(max_len, self.depth - 1)
+        low, high = 1, min(len(context), longest)
         while low <= high:
             length = (low + high) // 2
             node = self._continued(context, length)
@@ -246,7 +247,7 @@ class PromptOccurrences:
         that occurs in the prompt with a following token, among those occurrences that have one, and its length;
         ([], 0) if none."""
         prompt, n = self.tokens, len(self.tokens)
-        limit = min(len(context), self.depth - 1, self.depth - 1 if max_len is None else max_len)
+        limit = min(len(context), self.depth - 1 if max_len is None else min(max_len, self.depth - 1))
         if limit == 0:
             return [], 0
         tail = [int(t) for t in context[len(context) - limit:]]  # [limit] the suffixes' tokens
