@@ -81,6 +81,14 @@ def test_repeats_pair_every_policy_and_report_intervals(tmp_path, monkeypatch, c
         return real(rate, n, seed=seed)
 
     monkeypatch.setattr(loadgen, "poisson_arrivals", recorded)
+    ran = []  # the policies in the order their cells ran
+    real_scheduler = cli._scheduler
+
+    def scheduler(engine, policy, *args):
+        ran.append("none" if policy is None else policy.name)
+        return real_scheduler(engine, policy, *args)
+
+    monkeypatch.setattr(cli, "_scheduler", scheduler)
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args(["--model", "tiny", "--proposers", "ngram", "--workloads", "code",
@@ -90,6 +98,7 @@ def test_repeats_pair_every_policy_and_report_intervals(tmp_path, monkeypatch, c
                               "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "out")])
     assert cli.run(args) == 0
     assert draws == [1, 2]  # one arrival draw per repeat, shared by all three policies
+    assert len(ran) == 6 and ran[3:] == ran[:3][::-1]  # the second repeat runs the policies in reverse order
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["meta"]["smoke_test"] is False and len(result["meta"]["loadavg_before"]) == 3
     records = result["records"]
@@ -97,6 +106,9 @@ def test_repeats_pair_every_policy_and_report_intervals(tmp_path, monkeypatch, c
     for r in records:
         assert r["repeats"] == 2 and len(r["latencies_s"]) == 2 and all(len(x) == 3 for x in r["latencies_s"])
         assert abs(r["mean_latency_s"] - sum(map(sum, r["latencies_s"])) / 6) < 1e-9
+        loop = r["loop"]  # where the loop's time went, over both repeats: inside their spans
+        assert loop["decode_steps"] > 0 and loop["prefill_chunks"] >= 6
+        assert 0 < loop["decode_s"] + loop["prefill_s"] <= 2 * r["span_s"] * 1.05
     [goodput] = [r for r in records if r["policy"] == "goodput"]
     assert len(goodput["decision_logs"]) == 2 and "predicted_goodput" in goodput["decision_logs"][0][0]
     [check] = result["checks"]["goodput_vs_best_fixed"]

@@ -523,6 +523,9 @@ def test_step_listeners_see_every_step_and_cannot_fail_requests():
     check_counting(engine, results, reqs)
     assert len(seen) == sched.steps_run > 0
     assert all(s.elapsed_s == 0.25 == s.executable_s for s in seen)
+    # the loop's accounts: every step's time, every prompt's chunks (this clock moves only in steps)
+    assert sched.seconds.decode_steps == sched.steps_run and sched.seconds.decode_s == 0.25 * sched.steps_run
+    assert sched.seconds.prefill_chunks >= len(reqs) and sched.seconds.prefill_s == 0.0
     assert sum(int(s.result.accepted[:s.view.batch_size].sum()) for s in seen) == sum(r.accepted for r in results)
     assert all(s.decision.k == 3 and s.view.batch_size == len(s.result.proposed) for s in seen)
 

@@ -325,7 +325,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                     raise RuntimeError(f"{compile_counter.count() - before} compiles inside a measured run")
                 outputs[(proposer_name, spec)] = {x.request_id: x.tokens for x in samples}
                 bar.update(1)
-                return {"samples": samples, "policy": policy,
+                return {"samples": samples, "policy": policy, "loop": dataclasses.asdict(sched.seconds),
                         "catch_up_calls": engine.catch_up_totals.calls - catch_up_before.calls,
                         "catch_up_s": engine.catch_up_totals.seconds - catch_up_before.seconds}
 
@@ -350,7 +350,9 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                        "policy": spec, kind: value, **summary, "repeats": len(measured),
                        "latencies_s": latencies,
                        "catch_up_calls": sum(m["catch_up_calls"] for m in measured),
-                       "catch_up_s": sum(m["catch_up_s"] for m in measured)}
+                       "catch_up_s": sum(m["catch_up_s"] for m in measured),
+                       # where the loop's time went, summed over repeats (jaxspec.scheduling.scheduler.LoopSeconds)
+                       "loop": {key: sum(m["loop"][key] for m in measured) for key in measured[0]["loop"]}}
                 if kind == "rate" and mu is not None:
                     rec["load_fraction"] = value / mu
                     rec["service_rate"] = mu
@@ -362,13 +364,14 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                         rec["decision_logs"] = [lg.to_dicts() for lg in logs]
                 return rec
 
-            for repeat in range(s.repeats):  # policies interleaved inside each repeat: drift hits them alike
+            cells = ([(plain, "none", "none")] if "none" in s.policies else []) + [
+                (engines[pname], spec, pname) for pname in runs_for(wname) for spec in policies_for(pname)]
+            for repeat in range(s.repeats):
+                # policies interleaved inside each repeat, in reverse order every other repeat: a drift within a
+                # repeat (a warming cache, a neighbour's job) hits them alike, not always the last ones
                 arrivals = poisson_arrivals(value, len(reqs), seed=s.seed + 1 + repeat) if kind == "rate" else None
-                if "none" in s.policies:
-                    runs.setdefault(("none", "none"), []).append(measure(plain, "none", "none", arrivals))
-                for pname in runs_for(wname):
-                    for spec in policies_for(pname):
-                        runs.setdefault((pname, spec), []).append(measure(engines[pname], spec, pname, arrivals))
+                for engine, spec, pname in (cells if repeat % 2 == 0 else cells[::-1]):
+                    runs.setdefault((pname, spec), []).append(measure(engine, spec, pname, arrivals))
             base = record("none", "none", runs[("none", "none")]) if "none" in s.policies else None
             for pname in runs_for(wname):
                 if base is not None:

@@ -118,6 +118,18 @@ class StepStats:
 StepListener = Callable[[StepStats], None]
 
 
+@dataclasses.dataclass
+class LoopSeconds:
+    """Where the loop's time went (running sums, engine thread): decode steps (`StepStats.elapsed_s`, draft
+    catch-up included) and prefill chunks. The rest of a span is admission, output processing, streaming and
+    waiting for work."""
+
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    prefill_chunks: int = 0
+    prefill_s: float = 0.0
+
+
 @dataclasses.dataclass(eq=False)
 class _InFlight:
     """A dispatched decode step not read yet: its rows (the requests as dispatched), what the policy saw and
@@ -227,6 +239,7 @@ class Scheduler:
         self._in_flight: _InFlight | None = None  # overlapped: the step dispatched and not read yet
         self._last_read_at = float("-inf")  # when the last step was read (the overlapped step's start)
         self._prefill_in_flight_s = 0.0  # seconds of prefill chunks run while the step in flight ran (overlapped)
+        self.seconds = LoopSeconds()
 
     # --- the public contract (any thread) ----------------------------------------------
 
@@ -440,8 +453,11 @@ class Scheduler:
                 self._recover_engine(f"engine state lost in a failed prefill: {exc!r}", spare=live)
             self._finish(live, FinishReason.ERROR, f"prefill failed: {exc!r}")
             return
+        took = self.clock() - began
+        self.seconds.prefill_chunks += 1
+        self.seconds.prefill_s += took
         if self._in_flight is not None:  # run while a step was in flight: the prompt's time, not the step's
-            self._prefill_in_flight_s += self.clock() - began
+            self._prefill_in_flight_s += took
         live.prefilled = start + n
         if is_last:
             live.running = True
@@ -594,6 +610,8 @@ class Scheduler:
         stats = StepStats(step.view, step.decision, result, max(0.0, period - self._prefill_in_flight_s))
         self._last_read_at, self._prefill_in_flight_s = now, 0.0
         self.steps_run += 1
+        self.seconds.decode_steps += 1
+        self.seconds.decode_s += stats.elapsed_s
         self._publish(stats)
         try:  # the policy's cost model times the step executable: lazy catch-up is not part of it
             self.policy.observe(step.view, step.decision, result, stats.executable_s)
