@@ -96,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "difference from noise (use --repeats for that)")
     parser.add_argument("--repeats", type=int, default=1, metavar="R",
                         help="run every cell R times, each repeat with the same arrivals and requests for every "
-                             "policy (paired; open loop: new arrivals per repeat), and report goodput's mean-latency "
+                             "policy (paired; open loop: new arrivals per repeat; the policies run in reverse order "
+                             "every other repeat), and report goodput's mean-latency "
                              "ratio to the best fixed k with a 95%% bootstrap interval over requests and repeats "
                              "(default 1)")
     parser.add_argument("--decision-log", action="store_true",

@@ -65,9 +65,10 @@ reached by neighbour exploration).
 
 Host proposals (suffix decoding): when the view carries each row's ready chain with its confidences
 (`BatchView.proposal_rates`: the trie frequency conf_i(d) of each token given the ones before it), the rates are
-α_i(d) = min(1, κ_i·conf_i(d)) for the chain's tokens and 0 past its end (a row with no match is priced at k = 0),
-with no cold start: κ_i (`ConfidenceCalibration`) is the request's measured accepted / predicted tokens, shrunk
-toward the proposer-wide ratio, which starts at 1.
+α_i(d) = min(1, κ_i·cal(conf_i(d))) for the chain's tokens and 0 past its end (a row with no match is priced at
+k = 0), with no cold start (`ConfidenceCalibration`): cal maps a confidence to the acceptance measured for tokens
+of its confidence bin (the confidence itself until the bin has evidence), κ_i is the request's accepted over
+predicted tokens, shrunk toward 1.
 
 Feasibility: an option needs a window for its shape (the engine's capacity check); a menu value
 above every row's cap runs as a smaller one and is evaluated once, as that one.
@@ -186,7 +187,7 @@ class GoodputPolicy(Policy):
         rates = np.zeros((view.batch_size, k_max))
         for i, (rid, conf) in enumerate(zip(view.request_ids, view.proposal_rates, strict=True)):
             used = np.asarray(conf[:k_max], np.float64)
-            rates[i, :len(used)] = np.minimum(1.0, self.calibration.factor(rid) * used)
+            rates[i, :len(used)] = self.calibration.rates(rid, used)
         return rates
 
     def row_expectations(self, view: BatchView, k_max: int) -> np.ndarray:
@@ -308,8 +309,7 @@ class GoodputPolicy(Policy):
             trials = shape.caps[i] if self.config.short_proposal_is_rejection else proposed
             self.acceptance.observe(rid, accepted, trials)
             if view.proposal_rates:  # what the row's confidences predicted for the tokens it verified
-                predicted = float(np.sum(np.cumprod(view.proposal_rates[i][:proposed])))
-                self.calibration.observe(rid, predicted, accepted)
+                self.calibration.observe(rid, view.proposal_rates[i][:proposed], accepted)
         if result.catch_up_calls:
             per_call = result.catch_up_s / result.catch_up_calls
             w = self.config.catch_up_ema if self.catch_up_call_s > 0 else 1.0

@@ -38,16 +38,50 @@ def test_measured_acceptance_calibrates_the_confidences():
         k = decision.k
         result = StepResult(tokens=np.zeros((1, k + 1), np.int64), counts=np.array([1]), proposed=np.array([k]))
         policy.observe(v, decision, result, 0.0)
-    assert policy.calibration.factor(0) < 0.2 and policy.row_rates(v, 4)[0, 0] < before[0, 0] / 4
+    # priced down until speculating stops paying (then no step verifies anything more)
+    assert policy.calibration.calibrated([0.9])[0] < 0.3 and policy.row_rates(v, 4)[0, 0] < before[0, 0] / 3
     assert policy.choose(v).k == 0
 
 
-def test_calibration_shrinks_a_new_request_toward_the_proposer_ratio():
+def test_each_confidence_bin_learns_its_own_acceptance_for_every_request():
+    """A trie frequency is not an acceptance probability: tokens of confidence 1.0 accepted 60 % of the time and
+    tokens of confidence 0.5 accepted 90 % are each priced at their own measured rate, which a single scale factor
+    on the confidences cannot do (it would price both at one ratio); a new request gets the learned map."""
     cal = ConfidenceCalibration()
-    assert cal.factor("new") == pytest.approx(1.0)
+    assert cal.rates("new", [1.0, 0.5]) == pytest.approx([1.0, 0.5])  # no evidence: the confidences themselves
+    rng = np.random.default_rng(0)
+    for i in range(3000):
+        conf, p = (1.0, 0.6) if i % 2 else (0.5, 0.9)
+        cal.observe(i % 7, [conf], int(rng.random() < p))
+    assert [cal.calibrated([c])[0] for c in (1.0, 0.5)] == pytest.approx([0.6, 0.9], abs=0.08)
+    assert [cal.rates("new", [c])[0] for c in (1.0, 0.5)] == pytest.approx([0.6, 0.9], abs=0.08)
+
+
+def test_the_map_learns_that_deeper_tokens_of_a_chain_hold_more_often():
+    """Confidence-1 tokens accepted 70 % of the time at depth 1 and always after it (a copied run): each depth
+    group is priced at its own rate."""
+    cal = ConfidenceCalibration()
+    rng = np.random.default_rng(1)
+    for i in range(2000):
+        cal.observe(i % 5, [1.0] * 6, 6 if rng.random() < 0.7 else 0)
+    assert cal.calibrated([1.0] * 6) == pytest.approx([0.7, 1.0, 1.0, 1.0, 1.0, 1.0], abs=0.05)
+
+
+def test_a_request_whose_proposals_do_worse_than_the_map_is_priced_lower_and_forgotten():
+    cal = ConfidenceCalibration()
+    for i in range(100):  # proposer-wide: confidence-0.8 tokens are accepted as often as their confidence says
+        cal.observe("others", [0.8], int(i % 5 != 0))
     for _ in range(50):
-        cal.observe("a", predicted=2.0, accepted=1)
-    assert cal.factor("a") == pytest.approx(0.5, abs=0.05)
-    assert 0.5 < cal.factor("b") < 1.0  # unseen: the proposer-wide ratio, still near its prior
+        cal.observe("a", [0.8, 0.8], 0)  # ... but request a's never are
+    assert cal.factor("a") < 0.4 and cal.factor("b") == 1.0
+    assert cal.rates("a", [0.8])[0] < cal.rates("b", [0.8])[0] / 2.5
     cal.forget("a")
-    assert cal.factor("a") == cal.factor("b")
+    assert cal.factor("a") == 1.0
+
+
+def test_only_verified_tokens_are_evidence():
+    """A rejection at position 1 says nothing about positions 2..k (truncated data): their bins keep their prior."""
+    cal = ConfidenceCalibration()
+    for _ in range(100):
+        cal.observe("a", [0.3, 1.0, 1.0], 0)
+    assert cal.calibrated([0.3])[0] < 0.05 and cal.calibrated([1.0])[0] == pytest.approx(1.0)
