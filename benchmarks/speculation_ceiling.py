@@ -14,7 +14,8 @@ Prefill, admission and output processing keep their measured time: no proposer c
 the mean latency is proportional to the span (Little's law, the same requests and clients), so the speed-up
 ceiling bounds the mean-latency ratio too. Usage:
 
-    python benchmarks/speculation_ceiling.py docs/results/suffix/agentic_c4.json --json docs/results/suffix/ceiling_c4.json
+    python benchmarks/speculation_ceiling.py docs/results/suffix/agentic_128_c4_r2.json \
+        --json docs/results/suffix/ceiling_agentic_128_c4.json
 """
 
 from __future__ import annotations

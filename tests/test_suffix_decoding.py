@@ -58,6 +58,66 @@ def test_greedy_equals_plain_decoding(engine, references, k, running):
     assert proposed > 0 and accepted / proposed > 0.5  # repeats are proposed from earlier outputs, mostly accepted
 
 
+@pytest.fixture(scope="module")
+def chain_engine(tiny_model):
+    """Chains only: the scheduler overlaps its steps, proposing ahead for the rows in flight."""
+    engine = Engine(tiny_model, SuffixProposer(SuffixIndex(SuffixConfig(depth=16, min_prob=0.0))),
+                    MENU.replace(tree_envelopes=()))
+    engine.warmup(progress=False)
+    return engine
+
+
+class _Spy(FixedPolicy):
+    """A fixed k that keeps the views it chose with and observed with."""
+
+    def __init__(self, k):
+        super().__init__(k)
+        self.chosen, self.observed = [], []
+
+    def choose(self, view):
+        self.chosen.append(view)
+        return super().choose(view)
+
+    def observe(self, view, decision, result, elapsed_s):
+        self.observed.append((view, result))
+
+
+@pytest.mark.parametrize("running", [1, 4])
+def test_the_overlapped_loop_proposes_ahead_and_keeps_plain_decoding(chain_engine, references, running):
+    """Overlapped, a row in flight gets a chain proposed for the context its step is guessed to commit (its
+    proposals accepted, the trie's next token as its bonus). Output: plain decoding's, token for token; on a
+    repeat, most guesses hold and most proposals are accepted; the policy observes a row's chain only if the guess
+    it was made on held."""
+    prompts, expected = references
+    index = chain_engine.suffix_index
+    index.clear()
+    compiles = compile_counter.count()
+    policy = _Spy(4)
+    sched = Scheduler(chain_engine, policy, config=SchedulerConfig(max_running=running))
+    assert sched._overlap
+    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    accepted = proposed = 0
+    for round_ in range(2):
+        reqs = [Request(f"ahead-r{running}-{round_}-{i}", p, params) for i, p in enumerate(prompts)]
+        for result, want in zip(sched.generate_all(reqs), expected, strict=True):
+            assert list(result.token_ids) == want, result.request_id
+            if round_:
+                accepted += sum(s.accepted for s in result.steps)
+                proposed += sum(s.proposed for s in result.steps)
+    assert compile_counter.count() == compiles
+    assert proposed > 0 and accepted / proposed > 0.5
+    ahead = sum(1 for v in policy.chosen for a in v.assumed_rates if a)
+    assert ahead > 0  # rows in flight were proposed for
+    assert all(v.assumed_rates == () for v, _ in policy.observed)
+    # a row observed without its confidences (guess failed) verified proposals made for a context that never was
+    dropped = sum(1 for v, r in policy.observed for i, rates in enumerate(v.proposal_rates)
+                  if not rates and int(r.proposed[i]) > 0)
+    kept = sum(1 for v, r in policy.observed for i, rates in enumerate(v.proposal_rates)
+               if rates and int(r.proposed[i]) > 0)
+    assert kept > dropped
+    index.clear()
+
+
 def test_wrong_proposals_change_nothing(engine, references):
     """Outputs of other prompts (mostly wrong continuations here) feed the trie: the output is unchanged."""
     prompts, expected = references

@@ -389,8 +389,8 @@ class Engine:
         return self.dispatch_step(slot_ids, k, row_k, host_proposals).result()
 
     def dispatch_step(self, slot_ids: Sequence[int], k: int, row_k: Sequence[int] | None = None,
-                      host_proposals: Callable[[int, TreeEnvelope | None], HostProposals] | None = None
-                      ) -> DispatchedStep:
+                      host_proposals: Callable[[int, TreeEnvelope | None], HostProposals] | None = None,
+                      proposals_ahead: bool = False) -> DispatchedStep:
         """Start one speculative step (k = 0: plain decoding) for the given slots; returns without waiting.
 
         Row i verifies at most min(k, row_k[i]) proposals. The step runs at the shape `Menu.step_shape` gives
@@ -402,7 +402,9 @@ class Engine:
         A proposer with `host_proposals` needs `host_proposals(k_run, tree)`: each row's proposals ([n, k_run]
         numpy arrays; a tree inside the envelope `tree` when the step runs one), called once the step's shape is
         known and only when k_run > 0, after the steps in flight are read (the proposals continue what they
-        committed)."""
+        committed) unless `proposals_ahead` says the chains were made for the context the steps in flight are
+        guessed to commit (the overlapped loop; docs/design.md, "The overlapped loop"): any proposal is only a
+        guess the step verifies, so a wrong one costs acceptance, never output. A tree step reads them always."""
         slots = [int(s) for s in slot_ids]
         n = len(slots)
         b = self.menu.batch_bucket(n)
@@ -426,11 +428,13 @@ class Engine:
             if host_proposals is None:
                 raise ValueError(f"the {self.proposer.name!r} proposer proposes on the host: step() needs "
                                  f"host_proposals")
-            if self._mirror.unread[slots].any():
+            tree = self.menu.tree_at(shape.k)
+            if self._mirror.unread[slots].any() and (tree is not None or not proposals_ahead):
                 self.settle()
                 shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
                 fn = self.executables.get(StepKey(b, shape.k, shape.window))
-            host = host_proposals(shape.k, self.menu.tree_at(shape.k))
+                tree = self.menu.tree_at(shape.k)
+            host = host_proposals(shape.k, tree)
         # the pages the step may write: each row's k + 1 positions past its bound (raises before anything runs)
         self.pages.grow(slots, self._mirror.bound(slots) + np.asarray(shape.caps, np.int64) + 1)
         caps = np.zeros((b,), np.int32)  # [B] padding rows (scratch slot) propose nothing

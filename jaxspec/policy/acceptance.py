@@ -313,7 +313,7 @@ class ConfidenceCalibration:
         c = np.asarray(confidences, np.float64)
         if c.size == 0:
             return
-        cfg, m = self.config, self.config.prior_strength
+        cfg = self.config
         predicted = float(np.sum(np.cumprod(np.minimum(1.0, self.calibrated(c)))))  # by the map, before this evidence
         trials = truncated_counts(accepted, len(c))[1]
         conf_bin, depth_group = self.bins(np.clip(c[:trials], 0.0, 1.0))  # [trials] each

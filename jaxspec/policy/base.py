@@ -30,6 +30,10 @@ class BatchView:
     proposal_rates: per row, the confidence of each token of the chain a host proposer (suffix decoding) has
                   ready: its frequency in the suffix trie given the tokens before it (none past the chain's end);
                   () when the proposer proposes on the device.
+    assumed_rates: per row, the confidences of the tokens its chain takes as committed before it: the overlapped
+                  loop proposes for a row whose previous step is in flight as if that step accepted its proposals
+                  and its bonus token is the trie's next one (docs/design.md, "The overlapped loop"); () for a row
+                  whose context is read, or () for all.
     """
 
     request_ids: tuple[Hashable, ...]
@@ -40,6 +44,7 @@ class BatchView:
     catch_up_calls: tuple[int, ...] = ()
     trees: tuple[TreeEnvelope, ...] = ()
     proposal_rates: tuple[tuple[float, ...], ...] = ()
+    assumed_rates: tuple[tuple[float, ...], ...] = ()
 
     @property
     def batch_size(self) -> int:

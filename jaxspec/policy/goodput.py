@@ -68,7 +68,9 @@ Host proposals (suffix decoding): when the view carries each row's ready chain w
 α_i(d) = min(1, κ_i·cal(conf_i(d))) for the chain's tokens and 0 past its end (a row with no match is priced at
 k = 0), with no cold start (`ConfidenceCalibration`): cal maps a confidence to the acceptance measured for tokens
 of its confidence bin (the confidence itself until the bin has evidence), κ_i is the request's accepted over
-predicted tokens, shrunk toward 1.
+predicted tokens, shrunk toward 1. A row whose chain was proposed ahead of a step in flight
+(`BatchView.assumed_rates`) has its first rate times Π cal of the assumed tokens, the chance its context is the
+one assumed; the scheduler observes such a row's chain only if the assumption held.
 
 Feasibility: an option needs a window for its shape (the engine's capacity check); a menu value
 above every row's cap runs as a smaller one and is evaluated once, as that one.
@@ -182,12 +184,14 @@ class GoodputPolicy(Policy):
         return np.stack(rows).reshape(len(ids), k_max)
 
     def confidence_rates(self, view: BatchView, k_max: int) -> np.ndarray:
-        """[n, k_max] min(1, κ_i·conf_i(d)) for the tokens of each row's ready chain, 0 past its end (module doc,
-        "Host proposals")."""
+        """[n, k_max] min(1, κ_i·cal(conf_i(d))) for the tokens of each row's ready chain, 0 past its end, the
+        first times the chance that the tokens its chain assumes are committed (module doc, "Host proposals")."""
         rates = np.zeros((view.batch_size, k_max))
         for i, (rid, conf) in enumerate(zip(view.request_ids, view.proposal_rates, strict=True)):
             used = np.asarray(conf[:k_max], np.float64)
             rates[i, :len(used)] = self.calibration.rates(rid, used)
+            if view.assumed_rates and view.assumed_rates[i] and len(used):
+                rates[i, 0] *= float(np.prod(self.calibration.rates(rid, view.assumed_rates[i])))
         return rates
 
     def row_expectations(self, view: BatchView, k_max: int) -> np.ndarray:

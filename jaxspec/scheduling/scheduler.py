@@ -61,6 +61,7 @@ from jaxspec.scheduling.requests import (
     validate_request,
 )
 from jaxspec.speculation.proposers.suffix import host_proposals
+from jaxspec.speculation.suffix_tree import SuffixProposal
 from jaxspec.types import HostProposals, StepResult, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,15 @@ class LoopSeconds:
     prefill_s: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Guess:
+    """Tokens a row's suffix chain takes as committed after the first `at` tokens of its context: the proposals of
+    its step in flight, all accepted, and the trie's next token as that step's bonus token."""
+
+    at: int
+    tokens: tuple[int, ...]
+
+
 @dataclasses.dataclass(eq=False)
 class _InFlight:
     """A dispatched decode step not read yet: its rows (the requests as dispatched), what the policy saw and
@@ -141,6 +151,8 @@ class _InFlight:
     decision: Decision
     pending: PendingStep
     dispatched_at: float
+    chains: list[SuffixProposal] = dataclasses.field(default_factory=list)  # suffix decoding: each row's chain
+    guesses: list[_Guess | None] = dataclasses.field(default_factory=list)  # ... and what it assumed committed
 
     def cap(self, i: int) -> int:
         """Row i's effective k in this step."""
@@ -213,9 +225,9 @@ class Scheduler:
         self._prefill_budget = config.prefill_token_budget or menu.largest_chunk
         # suffix decoding's tries (an engine whose proposer proposes on the host has one): fed from here
         self.suffix_index = getattr(engine, "suffix_index", None)
-        # suffix proposals continue the tokens the host has read: the synchronous loop (docs/design.md, "The
-        # overlapped loop")
-        self._overlap = config.overlap and self.suffix_index is None
+        # suffix chains for a row in flight are proposed ahead, for the context its step is guessed to commit;
+        # suffix trees continue the tokens read: the synchronous loop (docs/design.md, "The overlapped loop")
+        self._overlap = config.overlap and (self.suffix_index is None or not engine.menu.tree_envelopes)
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -230,7 +242,8 @@ class Scheduler:
         self._step_listeners: tuple[StepListener, ...] = tuple(step_listeners)
         # engine thread only
         self._slots: dict[int, _Live] = {}  # slot -> request being prefilled or decoded
-        self._chains: list = []  # the rows' suffix chains of the current step (`_view`)
+        self._chains: list[SuffixProposal] = []  # the rows' suffix chains of the current step (`_view`)
+        self._guesses: list[_Guess | None] = []  # ... and what each assumes its step in flight commits
         self.iterations = 0  # loop iterations (idle waits excluded)
         self.steps_run = 0  # decode steps
         self.engine_resets = 0
@@ -469,16 +482,25 @@ class Scheduler:
                 entry = self.engine.first_token_logprobs(live.slot)
                 self._deliver(live, [first], [dataclasses.replace(entry, top=entry.top[:p.logprobs])])
 
-    def _view(self, rows: list[_Live]) -> tuple[BatchView, list[int]]:
+    def _view(self, rows: list[_Live], previous: _InFlight | None = None) -> tuple[BatchView, list[int]]:
         """What the policy sees of `rows`, and each row's cache room (the largest k it can verify)."""
         engine = self.engine
         slots = [r.slot for r in rows]
         room = [engine.room(s) for s in slots]
-        rates = ()
+        rates, assumed = (), ()
         if self.suffix_index is not None:  # each row's chain, ready for the step, and its confidence
             k_max = max(engine.menu.k_menu)
-            self._chains = [self.suffix_index.propose(r.request_id, k_max) for r in rows]
+            held = {} if previous is None else {id(live): i for i, live in enumerate(previous.rows)}
+            self._chains, self._guesses, assumed_rates = [], [], []
+            for r in rows:
+                i = held.get(id(r))
+                chain, guess, confidences = (self.suffix_index.propose(r.request_id, k_max), None, ()) if i is None \
+                    else self._chain_ahead(r, previous, i, k_max)
+                self._chains.append(chain)
+                self._guesses.append(guess)
+                assumed_rates.append(confidences)
             rates = tuple(c.probs for c in self._chains)
+            assumed = tuple(assumed_rates) if any(assumed_rates) else ()
         view = BatchView(
             request_ids=tuple(r.request_id for r in rows),
             context_lens=tuple(engine.length(s) for s in slots),
@@ -489,8 +511,51 @@ class Scheduler:
             catch_up_calls=tuple(len(engine.catch_up_plan(s)) for s in slots),
             trees=engine.menu.tree_envelopes,
             proposal_rates=rates,
+            assumed_rates=assumed,
         )
         return view, room
+
+    def _chain_ahead(self, live: _Live, previous: _InFlight, i: int, k_max: int
+                     ) -> tuple[SuffixProposal, _Guess | None, tuple[float, ...]]:
+        """A row in flight in `previous` (its i-th row): the chain proposed for the context that step commits if
+        it accepts the proposals it verifies and its bonus token is the trie's next one, the guess, and the
+        guessed tokens' confidences (docs/design.md, "The overlapped loop"). No chain when nothing continues."""
+        index, rid = self.suffix_index, live.request_id
+        before = previous.chains[i]
+        p = min(previous.cap(i), len(before.tokens))  # the proposals the step in flight verifies
+        if not self._guess_held(live, previous.guesses[i]):
+            # its own chain was made for a context that never was (the step before it is read): its proposals will
+            # fail, so assume it commits its bonus token alone (else every later guess would build on a wrong one)
+            before, p = SuffixProposal(), 0
+        tokens, confidences = list(before.tokens[:p]), list(before.probs[:p])
+        bonus = SuffixProposal(before.tokens[p:p + 1], before.probs[p:p + 1]) if len(before.tokens) > p \
+            else index.propose(rid, 1, assumed=tokens)
+        if not bonus.tokens:
+            return SuffixProposal(), None, ()
+        tokens.append(bonus.tokens[0])
+        confidences.append(bonus.probs[0])
+        chain = index.propose(rid, k_max, assumed=tokens)
+        if not chain.tokens:
+            return chain, None, ()
+        return chain, _Guess(index.context_len(rid), tuple(tokens)), tuple(confidences)
+
+    def _guess_held(self, live: _Live, guess: _Guess | None) -> bool:
+        """Whether a row's context holds what its chain assumed (True for a chain made on the context read)."""
+        if guess is None:
+            return True
+        return self.suffix_index.context(live.request_id)[guess.at:guess.at + len(guess.tokens)] == guess.tokens
+
+    def _observed_view(self, step: _InFlight, live: list[bool]) -> BatchView:
+        """The view the policy observes a step with: a row whose chain was proposed ahead keeps its confidences
+        only if its guess held (the step before committed the guessed tokens); otherwise its chain was made for
+        a context that never was, and says nothing of how the proposer's confidences hold."""
+        if not any(g is not None for g in step.guesses):
+            return step.view
+        rates = list(step.view.proposal_rates)
+        for i, (row, guess) in enumerate(zip(step.rows, step.guesses, strict=True)):
+            if guess is not None and not (live[i] and self._guess_held(row, guess)):
+                rates[i] = ()
+        return dataclasses.replace(step.view, proposal_rates=tuple(rates), assumed_rates=())
 
     def _host_proposals(self, rows: list[_Live]):
         """The engine's callback for the step's host proposals (suffix decoding): the chains `_view` made, or
@@ -516,7 +581,7 @@ class Scheduler:
         previous, self._in_flight = self._in_flight, None
         rows = self._dispatchable(previous)
         if rows:
-            self._in_flight = self._dispatch(rows)
+            self._in_flight = self._dispatch(rows, previous)
         if previous is not None:
             self._read(previous)
         if not self._overlap and self._in_flight is not None:
@@ -542,13 +607,13 @@ class Scheduler:
                 rows.append(live)
         return rows
 
-    def _dispatch(self, rows: list[_Live]) -> _InFlight | None:
+    def _dispatch(self, rows: list[_Live], previous: _InFlight | None = None) -> _InFlight | None:
         """policy.choose then engine.dispatch_step for `rows`; when the page pool cannot take the step, the
         youngest request is preempted and the others try again. None when no step ran (the rows failed, or none
         is left)."""
         while rows:
             try:
-                return self._dispatch_rows(rows)
+                return self._dispatch_rows(rows, previous)
             except PagesExhaustedError as exc:
                 if len(self._slots) == 1:  # nobody to make room for it
                     self._fail_all(rows, f"the KV page pool cannot hold this request's context: {exc}")
@@ -571,9 +636,9 @@ class Scheduler:
             self._waiting.appendleft(live)
         log.info("preempted request %r (%d context tokens) for KV pages", live.request_id, len(live.context))
 
-    def _dispatch_rows(self, rows: list[_Live]) -> _InFlight | None:
+    def _dispatch_rows(self, rows: list[_Live], previous: _InFlight | None = None) -> _InFlight | None:
         """One try of `_dispatch`: raises PagesExhaustedError with nothing started."""
-        view, room = self._view(rows)
+        view, room = self._view(rows, previous)
         try:
             decision = self.policy.choose(view)
             self._check_decision(decision, view, room)
@@ -584,7 +649,8 @@ class Scheduler:
         slots = [r.slot for r in rows]
         t0 = self.clock()
         try:
-            extra = {} if self.suffix_index is None else {"host_proposals": self._host_proposals(rows)}
+            extra = {} if self.suffix_index is None else {"host_proposals": self._host_proposals(rows),
+                                                          "proposals_ahead": self._overlap}
             pending = self.engine.dispatch_step(slots, decision.k,
                                                 list(decision.row_k) if decision.row_k is not None else None, **extra)
         except PagesExhaustedError:
@@ -593,7 +659,7 @@ class Scheduler:
             log.exception("engine step failed")
             self._recover_engine(f"engine step failed: {exc!r}")
             return None
-        return _InFlight(rows, slots, view, decision, pending, t0)
+        return _InFlight(rows, slots, view, decision, pending, t0, self._chains, self._guesses)
 
     def _read(self, step: _InFlight) -> None:
         """Read a dispatched step: publish it, let the policy observe it, deliver the rows still live."""
@@ -614,7 +680,7 @@ class Scheduler:
         self.seconds.decode_s += stats.elapsed_s
         self._publish(stats)
         try:  # the policy's cost model times the step executable: lazy catch-up is not part of it
-            self.policy.observe(step.view, step.decision, result, stats.executable_s)
+            self.policy.observe(self._observed_view(step, live), step.decision, result, stats.executable_s)
             for row, alive in zip(step.rows, live):
                 if not alive:  # finished after this step was dispatched: observing it must not bring it back
                     self.policy.forget(row.request_id)

@@ -434,16 +434,23 @@ class SuffixIndex:
     def context(self, request_id: Hashable) -> tuple[int, ...]:
         return tuple(self._live[request_id].context)
 
-    def propose(self, request_id: Hashable, max_tokens: int) -> SuffixProposal:
+    def context_len(self, request_id: Hashable) -> int:
+        """Tokens of a live request's context (prompt + committed output)."""
+        return len(self._live[request_id].context)
+
+    def propose(self, request_id: Hashable, max_tokens: int, assumed: Sequence[int] = ()) -> SuffixProposal:
         """The better of the prompt's and the output trie's chains: more expected accepted tokens, then (on a
-        tie) the longer match, the continuation of more of the context."""
+        tie) the longer match, the continuation of more of the context. `assumed`: tokens taken as committed
+        after the context (the overlapped loop proposes for a step in flight as if its guess holds)."""
         live = self._live[request_id]
         if max_tokens <= 0:
             return SuffixProposal()
-        best = live.prompt.propose(live.context, max_tokens, self.config.min_prob)
+        # both tries match at most depth - 1 tokens of the context's end
+        context = live.context[-self.config.depth:] + [int(t) for t in assumed] if assumed else live.context
+        best = live.prompt.propose(context, max_tokens, self.config.min_prob)
         trie = self._outputs.get(live.scope_key)
         if trie is not None:
-            other = trie.propose(live.context, max_tokens, self.config.min_prob)
+            other = trie.propose(context, max_tokens, self.config.min_prob)
             if _rank(other) > _rank(best):
                 best = other
         return best
