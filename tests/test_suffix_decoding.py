@@ -60,8 +60,8 @@ def test_greedy_equals_plain_decoding(engine, references, k, running):
 
 @pytest.fixture(scope="module")
 def chain_engine(tiny_model):
-    """Chains only: the scheduler overlaps its steps, proposing ahead for the rows in flight."""
-    engine = Engine(tiny_model, SuffixProposer(SuffixIndex(SuffixConfig(depth=16, min_prob=0.0))),
+    """Chains only, proposed ahead: the scheduler overlaps its steps, proposing for the rows in flight."""
+    engine = Engine(tiny_model, SuffixProposer(SuffixIndex(SuffixConfig(depth=16, min_prob=0.0, ahead=True))),
                     MENU.replace(tree_envelopes=()))
     engine.warmup(progress=False)
     return engine
@@ -136,6 +136,7 @@ def test_the_scheduler_feeds_and_cleans_the_index(tiny_model, references):
     engine = Engine(tiny_model, SuffixProposer(index), MENU.replace(tree_envelopes=(), k_menu=(0, 2)))
     engine.warmup(progress=False)
     sched = Scheduler(engine, FixedPolicy(2))
+    assert not sched._overlap  # chains continue the tokens read unless proposed ahead (SuffixConfig.ahead)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     done = [sched.generate_all([Request(f"d{i}", p, params)])[0] for i, p in enumerate(prompts[:3])]  # in turn
     assert index.retained() == ("d1", "d2")  # two kept, the oldest evicted
@@ -174,8 +175,9 @@ def test_engine_args_build_the_suffix_proposer(tiny_model):
     from jaxspec.engine.args import EngineArgs
     from jaxspec.engine.build import build_proposer
 
-    args = EngineArgs(proposer="suffix", suffix_scope="tenant", suffix_requests=7, tree="4:2")
+    args = EngineArgs(proposer="suffix", suffix_scope="tenant", suffix_requests=7, tree="4:2", suffix_ahead=True)
     proposer = build_proposer("suffix", tiny_model, suffix=args.suffix_config())
+    assert proposer.index.config.ahead
     assert isinstance(proposer, SuffixProposer) and proposer.index.config.scope == "tenant"
     assert proposer.index.config.max_requests == 7
     with pytest.raises(ValueError, match="scope"):

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxspec.engine.args import EngineArgs
 
     # a sweep takes several proposers and policies (--proposers, --policies): only these engine flags are single
-    EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh", "kernels", "no_overlap"),
+    EngineArgs.add_arguments(parser, only=("model", "draft", "dtype", "mesh", "kernels", "no_overlap", "suffix_ahead"),
                              defaults={"draft": "default"})
     parser.add_argument("--proposers", type=_strs, default=None,
                         help="comma-separated of ngram,draft,feature,suffix and, with --tree, ngram-tree,draft-tree,"
@@ -534,6 +534,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxspec.engine.build import build_model, build_proposer
     from jaxspec.engine.engine import enable_compilation_cache
     from jaxspec.mesh import MeshSpec
+    from jaxspec.speculation.suffix_tree import SuffixConfig
 
     s = settings_from_args(args)
     enable_compilation_cache()
@@ -554,7 +555,8 @@ def run(args: argparse.Namespace) -> int:
             proposers[name] = build_proposer("draft", built.model, "feature", mesh=mesh, kernels=kernels)
         else:
             proposers[name] = build_proposer(name.removesuffix("-tree"), built.model, draft_spec, mesh=mesh,
-                                             kernels=kernels)
+                                             kernels=kernels,
+                                             suffix=SuffixConfig(ahead=getattr(args, "suffix_ahead", False)))
     started = time.time()
     load_before = os.getloadavg()
     if s.quick:

@@ -59,6 +59,10 @@ class EngineArgs:
     suffix_requests: int = _flag(SuffixConfig.max_requests, "finished requests whose outputs --proposer suffix keeps "
                                  f"(and at most {SuffixConfig.max_tokens} of their tokens; the oldest go first)",
                                  shown=str(SuffixConfig.max_requests), type=int, metavar="N")
+    suffix_ahead: bool = _flag(False, "in the overlapped loop, propose for a row whose step is in flight as if that "
+                               "step accepts its proposals (the default reads each step first: on this project's CPU "
+                               "bench the guesses cost more acceptance than the overlap saved; docs/design.md, 'The "
+                               "overlapped loop')", shown="read first", action="store_true")
     policy: str | None = _flag(None, f"speculation policy: {POLICY_HELP}",
                                shown="goodput with a proposer, else none")
     menu: str = _flag("default", "engine shape menu: a name in jaxspec/configs/engine.yaml or a YAML file",
@@ -130,7 +134,7 @@ class EngineArgs:
 
     def suffix_config(self) -> SuffixConfig:
         """--proposer suffix's index settings (jaxspec.speculation.suffix_tree.SuffixConfig)."""
-        return SuffixConfig(scope=self.suffix_scope, max_requests=self.suffix_requests)
+        return SuffixConfig(scope=self.suffix_scope, max_requests=self.suffix_requests, ahead=self.suffix_ahead)
 
     def tree_envelope(self):
         """The parsed --tree (a jaxspec.menu.TreeEnvelope), or None."""

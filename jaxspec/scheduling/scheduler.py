@@ -225,9 +225,11 @@ class Scheduler:
         self._prefill_budget = config.prefill_token_budget or menu.largest_chunk
         # suffix decoding's tries (an engine whose proposer proposes on the host has one): fed from here
         self.suffix_index = getattr(engine, "suffix_index", None)
-        # suffix chains for a row in flight are proposed ahead, for the context its step is guessed to commit;
-        # suffix trees continue the tokens read: the synchronous loop (docs/design.md, "The overlapped loop")
-        self._overlap = config.overlap and (self.suffix_index is None or not engine.menu.tree_envelopes)
+        # suffix chains continue the tokens read, so suffix decoding runs the synchronous loop unless its chains
+        # are proposed ahead for the rows in flight (`SuffixConfig.ahead`; never with trees: docs/design.md, "The
+        # overlapped loop")
+        self._overlap = config.overlap and (self.suffix_index is None or (
+            self.suffix_index.config.ahead and not engine.menu.tree_envelopes))
 
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)

@@ -314,6 +314,8 @@ class SuffixConfig:
     max_requests:  finished requests whose outputs a scope's trie keeps (oldest evicted first).
     max_tokens:    output tokens of finished requests a scope's trie keeps at most (oldest evicted first).
     min_prob:      a proposal stops before its path probability falls below this.
+    ahead:         the scheduler overlaps suffix steps, proposing for a row in flight as if its step accepts its
+                   proposals (docs/design.md, "The overlapped loop"); False: it reads each step first.
     """
 
     scope: str = "global"
@@ -321,6 +323,7 @@ class SuffixConfig:
     max_requests: int = 256
     max_tokens: int = 65536
     min_prob: float = 0.1
+    ahead: bool = False
 
     def __post_init__(self):
         if self.scope not in SCOPES:
