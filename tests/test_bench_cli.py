@@ -158,3 +158,19 @@ def test_goal_check_intervals_from_per_request_latencies():
     [point] = cli.check_goals(records)["goodput_vs_best_fixed"]
     assert "ci95" not in point and point["ok"] is False and "(point)" in cli.interval_table({"goodput_vs_best_fixed":
                                                                                            [point]})
+
+
+def test_goal_check_reports_machine_drift_from_the_same_prefill_work():
+    """The same prefill chunks took 1.25x as long in goodput's cell as in the best fixed k's: the check carries that
+    drift (the interval over requests cannot see it); different chunks (a preemption) or no accounts: none."""
+    def rec(policy, latency, prefill_s, chunks=72):
+        return {"workload": "agentic", "proposer": "suffix", "concurrency": 4, "policy": policy,
+                "mean_latency_s": latency, "loop": {"decode_steps": 10, "decode_s": 1.0,
+                                                    "prefill_chunks": chunks, "prefill_s": prefill_s}}
+
+    [check] = cli.check_goals([rec("fixed:4", 3.0, 16.0), rec("goodput", 3.5, 20.0)])["goodput_vs_best_fixed"]
+    assert abs(check["prefill_drift"] - 1.25) < 1e-12
+    assert "| 1.250 |" in cli.interval_table({"goodput_vs_best_fixed": [check]})
+    [check] = cli.check_goals([rec("fixed:4", 3.0, 16.0), rec("goodput", 3.5, 20.0, chunks=73)])[
+        "goodput_vs_best_fixed"]
+    assert "prefill_drift" not in check
