@@ -39,21 +39,28 @@ def references(tiny_model):
     return prompts, [reference_greedy(tiny_model, p, N_NEW) for p in prompts]
 
 
-@pytest.mark.parametrize("k", [2, 4, 6])  # 6 runs the tree envelope 6:3
-@pytest.mark.parametrize("running", [1, 4])
-def test_greedy_equals_plain_decoding(engine, references, k, running):
+def _twice_as_plain_decoding(sched, references, tag: str) -> tuple[int, int]:
+    """Every prompt run twice through `sched` (the second round repeats the first: its outputs are in the global
+    trie), each output asserted token for token plain decoding's; the second round's (accepted, proposed)."""
     prompts, expected = references
-    compiles = compile_counter.count()
-    sched = Scheduler(engine, FixedPolicy(k), config=SchedulerConfig(max_running=running))
     params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
     accepted = proposed = 0
-    for round_ in range(2):  # the second round repeats the first: its outputs are in the global trie
-        reqs = [Request(f"k{k}-r{running}-{round_}-{i}", p, params) for i, p in enumerate(prompts)]
+    for round_ in range(2):
+        reqs = [Request(f"{tag}-{round_}-{i}", p, params) for i, p in enumerate(prompts)]
         for result, want in zip(sched.generate_all(reqs), expected, strict=True):
             assert list(result.token_ids) == want, result.request_id
             if round_:
                 accepted += sum(s.accepted for s in result.steps)
                 proposed += sum(s.proposed for s in result.steps)
+    return accepted, proposed
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])  # 6 runs the tree envelope 6:3
+@pytest.mark.parametrize("running", [1, 4])
+def test_greedy_equals_plain_decoding(engine, references, k, running):
+    compiles = compile_counter.count()
+    sched = Scheduler(engine, FixedPolicy(k), config=SchedulerConfig(max_running=running))
+    accepted, proposed = _twice_as_plain_decoding(sched, references, f"k{k}-r{running}")
     assert compile_counter.count() == compiles  # host proposals are traced inputs: no new shapes
     assert proposed > 0 and accepted / proposed > 0.5  # repeats are proposed from earlier outputs, mostly accepted
 
@@ -88,22 +95,13 @@ def test_the_overlapped_loop_proposes_ahead_and_keeps_plain_decoding(chain_engin
     proposals accepted, the trie's next token as its bonus). Output: plain decoding's, token for token; on a
     repeat, most guesses hold and most proposals are accepted; the policy observes a row's chain only if the guess
     it was made on held."""
-    prompts, expected = references
     index = chain_engine.suffix_index
     index.clear()
     compiles = compile_counter.count()
     policy = _Spy(4)
     sched = Scheduler(chain_engine, policy, config=SchedulerConfig(max_running=running))
     assert sched._overlap
-    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
-    accepted = proposed = 0
-    for round_ in range(2):
-        reqs = [Request(f"ahead-r{running}-{round_}-{i}", p, params) for i, p in enumerate(prompts)]
-        for result, want in zip(sched.generate_all(reqs), expected, strict=True):
-            assert list(result.token_ids) == want, result.request_id
-            if round_:
-                accepted += sum(s.accepted for s in result.steps)
-                proposed += sum(s.proposed for s in result.steps)
+    accepted, proposed = _twice_as_plain_decoding(sched, references, f"ahead-r{running}")
     assert compile_counter.count() == compiles
     assert proposed > 0 and accepted / proposed > 0.5
     ahead = sum(1 for v in policy.chosen for a in v.assumed_rates if a)

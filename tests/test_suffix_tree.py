@@ -283,3 +283,12 @@ def test_a_copy_of_a_held_sequence_is_proposed_in_full_at_every_position():
             assert p.match_len == min(n, depth - k)
             tree = source.propose_tree(seq[:n], max_nodes=k, max_depth=k, min_prob=0.5)
             assert tree.tokens == tuple(seq[n:n + k]) and tree.depths == tuple(range(1, k + 1))
+
+
+def test_context_holds_checks_a_span_of_the_committed_context():
+    index = SuffixIndex(SuffixConfig(depth=8))
+    index.start("r", [1, 2, 3])
+    index.extend("r", [4, 5])
+    assert index.context_holds("r", 3, (4, 5)) and index.context_holds("r", 0, ())
+    assert not index.context_holds("r", 3, (4, 6))
+    assert not index.context_holds("r", 4, (5, 6))  # runs past what is committed

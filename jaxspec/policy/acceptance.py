@@ -314,7 +314,7 @@ class ConfidenceCalibration:
         if c.size == 0:
             return
         cfg = self.config
-        predicted = float(np.sum(np.cumprod(np.minimum(1.0, self.calibrated(c)))))  # by the map, before this evidence
+        predicted = float(np.sum(np.cumprod(self.calibrated(c))))  # by the map (≤ 1 a token), before this evidence
         trials = truncated_counts(accepted, len(c))[1]
         conf_bin, depth_group = self.bins(np.clip(c[:trials], 0.0, 1.0))  # [trials] each
         self._accepted *= cfg.global_decay

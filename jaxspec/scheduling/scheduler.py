@@ -496,8 +496,10 @@ class Scheduler:
             self._chains, self._guesses, assumed_rates = [], [], []
             for r in rows:
                 i = held.get(id(r))
-                chain, guess, confidences = (self.suffix_index.propose(r.request_id, k_max), None, ()) if i is None \
-                    else self._chain_ahead(r, previous, i, k_max)
+                if i is None:  # its context is read
+                    chain, guess, confidences = self.suffix_index.propose(r.request_id, k_max), None, ()
+                else:  # its step in flight: proposed ahead (only with SuffixConfig.ahead: `_overlap`)
+                    chain, guess, confidences = self._chain_ahead(r, previous, i, k_max)
                 self._chains.append(chain)
                 self._guesses.append(guess)
                 assumed_rates.append(confidences)
@@ -543,9 +545,7 @@ class Scheduler:
 
     def _guess_held(self, live: _Live, guess: _Guess | None) -> bool:
         """Whether a row's context holds what its chain assumed (True for a chain made on the context read)."""
-        if guess is None:
-            return True
-        return self.suffix_index.context(live.request_id)[guess.at:guess.at + len(guess.tokens)] == guess.tokens
+        return guess is None or self.suffix_index.context_holds(live.request_id, guess.at, guess.tokens)
 
     def _observed_view(self, step: _InFlight, live: list[bool]) -> BatchView:
         """The view the policy observes a step with: a row whose chain was proposed ahead keeps its confidences

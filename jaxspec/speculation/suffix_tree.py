@@ -441,6 +441,11 @@ class SuffixIndex:
         """Tokens of a live request's context (prompt + committed output)."""
         return len(self._live[request_id].context)
 
+    def context_holds(self, request_id: Hashable, at: int, tokens: Sequence[int]) -> bool:
+        """Whether a live request's context holds `tokens` from position `at` (no copy of the context)."""
+        context = self._live[request_id].context
+        return len(context) >= at + len(tokens) and all(context[at + j] == t for j, t in enumerate(tokens))
+
     def propose(self, request_id: Hashable, max_tokens: int, assumed: Sequence[int] = ()) -> SuffixProposal:
         """The better of the prompt's and the output trie's chains: more expected accepted tokens, then (on a
         tie) the longer match, the continuation of more of the context. `assumed`: tokens taken as committed
