@@ -8,6 +8,7 @@ tiny engine: batched greedy == one at a time for every proposer, and a failed st
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -530,36 +531,58 @@ def test_step_listeners_see_every_step_and_cannot_fail_requests():
     assert all(s.decision.k == 3 and s.view.batch_size == len(s.result.proposed) for s in seen)
 
 
+class _DeviceTimeline:
+    """A device that runs what it is given in order, on the scheduler's clock: dispatching a step costs the host
+    nothing, a step takes `step_s` of the device and a prompt chunk `chunk_s`; the host's clock moves only when it
+    blocks, to when what it waits for is done (a step's `result()`; a chunk, which returns once it has run)."""
+
+    def __init__(self, engine, step_s=0.25, chunk_s=1.0):
+        self.now, self.free_at, self.step_s, self.chunk_s = 0.0, 0.0, step_s, chunk_s
+        self.steps = 0
+        real_step, real_prefill = engine.dispatch_step, engine.prefill_chunk
+
+        def dispatch_step(*args, **kwargs):
+            done_at = self.free_at = max(self.now, self.free_at) + self.step_s
+            self.steps += 1
+            return _TimedStep(self, real_step(*args, **kwargs), done_at)
+
+        def prefill_chunk(*args, **kwargs):
+            self.now = self.free_at = max(self.now, self.free_at) + self.chunk_s
+            return real_prefill(*args, **kwargs)
+
+        engine.dispatch_step, engine.prefill_chunk = dispatch_step, prefill_chunk
+
+    def clock(self):
+        return self.now
+
+
+@dataclasses.dataclass
+class _TimedStep:
+    timeline: _DeviceTimeline
+    inner: object
+    done_at: float
+
+    def result(self):
+        self.timeline.now = max(self.timeline.now, self.done_at)
+        return self.inner.result()
+
+
 @pytest.mark.parametrize("overlap", [True, False])
-def test_a_step_time_leaves_out_the_prefill_chunks_run_meanwhile(overlap):
-    """Steps cost 0.25 s and prefill chunks 1 s on the scheduler's clock; requests join while others decode, so
-    the overlapped loop prefills while a step is in flight. What the policy observes adds up to the steps' time and
-    holds no chunk's second (they are the prompts' cost, not the step's), in both loops. (Overlapped, the fake's
-    time falls at dispatch, so a step's period can hold its successor's dispatch: 0.5, then 0 at the end.)"""
-    now = [0.0]
+def test_a_step_time_is_its_own_when_prompt_chunks_run_meanwhile(overlap):
+    """On a device that runs steps (0.25 s) and prompt chunks (1 s) in order, with requests joining while others
+    decode (so the overlapped loop runs chunks while a step is in flight), the policy observes every step at
+    exactly its 0.25 s in both loops: a chunk neither absorbs the step's remaining time (which made steps look
+    nearly free) nor adds its own; the loop's accounts split the time the same way."""
     engine = fake(accept=1)
-    real_step, real_prefill = engine.dispatch_step, engine.prefill_chunk
-    dispatched = []
-
-    def step(*args, **kwargs):
-        now[0] += 0.25
-        dispatched.append(now[0])
-        return real_step(*args, **kwargs)
-
-    def prefill(*args, **kwargs):
-        now[0] += 1.0
-        return real_prefill(*args, **kwargs)
-
-    engine.dispatch_step, engine.prefill_chunk = step, prefill
+    device = _DeviceTimeline(engine)
     policy = RecordingPolicy()
-    sched = Scheduler(engine, policy, clock=lambda: now[0], config=SchedulerConfig(max_running=2, overlap=overlap))
+    sched = Scheduler(engine, policy, clock=device.clock, config=SchedulerConfig(max_running=2, overlap=overlap))
     reqs = requests()
     check_counting(engine, sched.generate_all(reqs), reqs)
-    assert len(reqs) > 2 and len(policy.elapsed) == sched.steps_run == len(dispatched) > 0
-    assert sum(policy.elapsed) == pytest.approx(0.25 * len(dispatched))
-    assert max(policy.elapsed) <= 0.5
-    if not overlap:
-        assert policy.elapsed == pytest.approx([0.25] * len(policy.elapsed))
+    assert len(reqs) > 2 and len(policy.elapsed) == sched.steps_run == device.steps > 0
+    assert policy.elapsed == pytest.approx([0.25] * device.steps)
+    assert sched.seconds.decode_s == pytest.approx(0.25 * device.steps)
+    assert sched.seconds.prefill_s == pytest.approx(1.0 * sched.seconds.prefill_chunks)
 
 
 def test_seeds_of_sampled_requests():

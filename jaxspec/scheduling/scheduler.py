@@ -99,10 +99,10 @@ class StepStats:
 
     view:      what the policy saw.   decision: what it chose.   result: what the engine returned.
     elapsed_s: wall seconds from the step's dispatch, or from the previous step's read if later, to its read,
-               on the scheduler's clock, lazy draft catch-up included (`result.catch_up_s` of them), less the
-               prefill chunks run in that span (the overlapped loop runs them while the step is in flight, and the
-               device runs them after it: the prompts' cost, not the step's). Synchronous: the step's own time;
-               overlapped: the loop's period per step (what the step costs the loop).
+               on the scheduler's clock, lazy draft catch-up included (`result.catch_up_s` of them); overlapped,
+               to when it finished if a prompt chunk waited for it (`Scheduler._await_in_flight`: the chunk's
+               time is the prompt's cost, not the step's). Synchronous: the step's own time; overlapped: the
+               loop's period per step (what the step costs the loop).
     """
 
     view: BatchView
@@ -153,6 +153,7 @@ class _InFlight:
     dispatched_at: float
     chains: list[SuffixProposal] = dataclasses.field(default_factory=list)  # suffix decoding: each row's chain
     guesses: list[_Guess | None] = dataclasses.field(default_factory=list)  # ... and what it assumed committed
+    ready_at: float | None = None  # when a prompt chunk waited for it to finish (overlapped), else None
 
     def cap(self, i: int) -> int:
         """Row i's effective k in this step."""
@@ -253,7 +254,6 @@ class Scheduler:
         self._admissions = 0
         self._in_flight: _InFlight | None = None  # overlapped: the step dispatched and not read yet
         self._last_read_at = float("-inf")  # when the last step was read (the overlapped step's start)
-        self._prefill_in_flight_s = 0.0  # seconds of prefill chunks run while the step in flight ran (overlapped)
         self.seconds = LoopSeconds()
 
     # --- the public contract (any thread) ----------------------------------------------
@@ -454,10 +454,26 @@ class Scheduler:
                     break
         return did
 
+    def _await_in_flight(self) -> None:
+        """Overlapped: wait for the step in flight to finish before a prompt chunk runs, and note when. The chunk
+        blocks the host until it has run, and the device runs it after the step, so a chunk started first would
+        absorb the step's remaining time and the policy would observe a step that cost almost nothing (seen on
+        this CPU: 3 ms steps, the cost model's correction driven to its clip). The wait costs the device only the
+        chunk's dispatch. A step that fails is left to `_read`, which reads it again and handles the error."""
+        step = self._in_flight
+        if step is None or step.ready_at is not None:
+            return
+        try:
+            step.pending.result()
+        except Exception:  # noqa: BLE001 - surfaced and handled when the step is read (`_read`)
+            return
+        step.ready_at = self.clock()
+
     def _prefill_chunk(self, live: _Live, n: int) -> None:
         context, p = live.context, live.request.params
         start = live.prefilled
         is_last = start + n == len(context)
+        self._await_in_flight()
         began = self.clock()
         try:
             first = self.engine.prefill_chunk(live.slot, np.asarray(context[start:start + n], np.int32), start,
@@ -471,8 +487,6 @@ class Scheduler:
         took = self.clock() - began
         self.seconds.prefill_chunks += 1
         self.seconds.prefill_s += took
-        if self._in_flight is not None:  # run while a step was in flight: the prompt's time, not the step's
-            self._prefill_in_flight_s += took
         live.prefilled = start + n
         if is_last:
             live.running = True
@@ -674,9 +688,9 @@ class Scheduler:
                 self._recover_engine(f"engine step failed: {exc!r}")
             return
         now = self.clock()
-        period = now - max(step.dispatched_at, self._last_read_at)
-        stats = StepStats(step.view, step.decision, result, max(0.0, period - self._prefill_in_flight_s))
-        self._last_read_at, self._prefill_in_flight_s = now, 0.0
+        period = (now if step.ready_at is None else step.ready_at) - max(step.dispatched_at, self._last_read_at)
+        stats = StepStats(step.view, step.decision, result, max(0.0, period))
+        self._last_read_at = now
         self.steps_run += 1
         self.seconds.decode_steps += 1
         self.seconds.decode_s += stats.elapsed_s
