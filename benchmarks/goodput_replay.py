@@ -1,0 +1,279 @@
+"""Goodput's decisions replayed on recorded outputs, free of the machine's noise (issue 46).
+
+    python -m benchmarks.goodput_replay --workloads chat,summarization,qa,sql,code,edit --requests 24 \
+        --json docs/results/goodput/replay_c1.json
+
+A bench cell's latency mixes the policy's choices with the machine's drift (prefill seconds of the same chunks
+moved up to 10 % between cells of one run). This replays the choices alone, one request at a time (c = 1):
+
+1. Record: the default model's greedy outputs for each workload's requests (the bench's prompts, seed and caps),
+   run under fixed:K (K the menu's largest) with prompt lookup, keeping each request's (proposed, accepted) per step.
+2. Replay: prompt lookup's proposals are recomputed on the host (`lookup_chain`: longest n of max_ngram..min_ngram,
+   latest earlier occurrence, as `PromptLookupProposer.propose` does on the device; checked by replaying fixed:K
+   against the recorded steps). A step at k verifies the first min(k, cap) tokens of the chain; the accepted ones
+   are those equal to the recorded output. Each step costs its k's measured time (`step_costs`: the B = 1 step
+   executables at every k timed alternately, `--cost-repeats` times, medians), the same for every policy, so two
+   policies differ only by their choices; `--pricing profile` prices by the cost profile instead. Goodput starts
+   from the profile the bench's goodput uses and corrects it online from the times it observes, as it does live.
+   Goodput is the shipped policy object (`make_policy`), fresh for every cell of `--cell` requests (the bench's
+   cold start), observing each replayed step; `--variant NAME:section.key=value,...` replays it with other
+   settings of jaxspec/configs/policy.yaml.
+
+Reported per workload and policy: tokens, seconds and tokens/s over all steps, the policy's own host time per
+step (choose + observe, on this machine's clock), and goodput's ratio to the best fixed k (tokens/s). The host
+matcher's agreement with the device's steps is in `lookup_check`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxspec.bench.common import machine
+from jaxspec.menu import Menu, step_shape
+from jaxspec.policy.base import BatchView, Decision
+from jaxspec.types import StepResult
+
+K_MENU = (0, 1, 2, 3, 5)
+
+
+def lookup_chain(context: list[int], k: int, min_ngram: int = 1, max_ngram: int = 3) -> list[int]:
+    """Prompt lookup's proposal for `context` (host twin of `PromptLookupProposer.propose`): the tokens after the
+    latest earlier occurrence of its last n tokens, n = max_ngram first; at most k, never past the context."""
+    cur = len(context)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if cur < n + 1:
+            continue
+        suffix = context[cur - n:]
+        for j in range(cur - n - 1, -1, -1):  # latest start with j + n < cur
+            if context[j:j + n] == suffix:
+                start = j + n
+                return context[start:min(start + k, cur)]
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """One request: its prompt, greedy output, output cap, and the device's (proposed, accepted) per step."""
+
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    max_tokens: int
+    steps: tuple[tuple[int, int], ...]
+
+
+def replay_request(req: Recorded, choose, rid):
+    """Yields each step of one request under `choose(view) -> Decision`: (view, decision, proposed, accepted)."""
+    out, t = req.output, 1  # the first token comes from the prefill
+    while t < len(out):
+        context = list(req.prompt) + list(out[:t])
+        cap = max(0, min(max(K_MENU), req.max_tokens - t - 1))
+        view = BatchView(request_ids=(rid,), context_lens=(len(context),), row_max_k=(cap,), k_menu=K_MENU,
+                         batch_bucket=1)
+        decision = choose(view)
+        k = min(decision.k, cap)
+        chain = lookup_chain(context, k)
+        accepted = 0
+        while accepted < len(chain) and t + accepted < len(out) and chain[accepted] == out[t + accepted]:
+            accepted += 1
+        yield view, decision, len(chain), accepted
+        t += accepted + 1
+
+
+def step_costs(engine, repeats: int, context: int = 180) -> dict[int, float]:
+    """Seconds of the (B = 1, k, W) step executable per k of the menu at the window a context of `context` runs
+    in: medians of `repeats` runs, the ks alternated (drift hits them alike)."""
+    from jaxspec.bench.floor import hold_context, interleaved_medians, step_call
+    from jaxspec.types import SamplingParams
+
+    engine.reset()
+    engine.prefill(0, [2 + i % 7 for i in range(8)], SamplingParams(temperature=0.0))
+    window = engine.menu.step_shape([context], None, max(K_MENU)).window
+    times = interleaved_medians([step_call(engine, k, window) for k in K_MENU], repeats,
+                                prepares=[hold_context(engine, context)] * len(K_MENU))
+    engine.reset()
+    return dict(zip(K_MENU, times, strict=True))
+
+
+def run_policy(requests: list[Recorded], make, price, cell: int, windows) -> dict:
+    """Replay every request in order; a fresh policy (`make()`) per cell of `cell` requests. `price(k, window)`:
+    the seconds of a B = 1 step of that shape."""
+    tokens = seconds = steps = 0
+    host_s = 0.0  # in the policy's choose and observe
+    k_hist: dict[int, int] = {}
+    policy = None
+
+    def choose(view):
+        nonlocal host_s
+        began = time.perf_counter()
+        decision = policy.choose(view)
+        host_s += time.perf_counter() - began
+        return decision
+
+    for i, req in enumerate(requests):
+        if i % cell == 0:
+            policy = make()
+        for view, decision, proposed, accepted in replay_request(req, choose, f"r{i}"):
+            shape = step_shape(view.context_lens, view.row_max_k, decision.k, K_MENU, windows)
+            took = price(shape.k, shape.window)
+            result = StepResult(tokens=np.zeros((1, shape.k + 1), np.int32), counts=np.array([accepted + 1]),
+                                proposed=np.array([proposed]))
+            began = time.perf_counter()
+            policy.observe(view, decision, result, took)
+            host_s += time.perf_counter() - began
+            tokens, seconds, steps = tokens + accepted + 1, seconds + took, steps + 1
+            k_hist[shape.k] = k_hist.get(shape.k, 0) + 1
+        policy.forget(f"r{i}")
+    return {"tokens": tokens, "seconds": seconds, "steps": steps, "tokens_per_s": tokens / seconds,
+            "policy_host_ms_per_step": 1e3 * host_s / steps,
+            "k_hist": {str(k): n for k, n in sorted(k_hist.items())}}
+
+
+class _Fixed:
+    def __init__(self, k):
+        self.k = k
+
+    def choose(self, view):
+        return Decision(k=self.k)
+
+    def observe(self, *args):
+        pass
+
+    def forget(self, rid):
+        pass
+
+
+def record(workloads, n: int, seed: int, max_tokens: int, max_prompt_tokens: int):
+    """(engine, {workload: [Recorded]}): greedy outputs under fixed:K with prompt lookup, 8 in flight."""
+    from jaxspec.bench.workloads import load_workload
+    from jaxspec.engine.build import build_model, build_proposer
+    from jaxspec.engine.engine import Engine
+    from jaxspec.models.loading.registry import DEFAULT_MODEL
+    from jaxspec.policy.fixed import FixedPolicy
+    from jaxspec.scheduling.requests import Request
+    from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
+    from jaxspec.types import SamplingParams
+
+    built = build_model(DEFAULT_MODEL)
+    menu = Menu(num_slots=8, max_len=256, batch_buckets=(1, 4, 8), k_menu=K_MENU, window_buckets=(256,),
+                prefill_buckets=(64, 256))  # the bench's menu (`bench_menu`): its cost profile is reused
+    engine = Engine(built.model, build_proposer("ngram", built.model), menu)
+    engine.warmup(progress=False)
+    recorded = {}
+    for name in workloads:
+        wl = load_workload(name, built.tokenizer, n, seed=seed, max_prompt_tokens=max_prompt_tokens,
+                           max_tokens=max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        reqs = [Request(f"{name}-{i}", p, params) for i, p in enumerate(wl.prompts)]
+        results = Scheduler(engine, FixedPolicy(max(K_MENU)), config=SchedulerConfig(max_running=8)).generate_all(reqs)
+        recorded[name] = [Recorded(tuple(r.prompt_token_ids), tuple(res.token_ids), max_tokens,
+                                   tuple((s.proposed, s.accepted) for s in res.steps))
+                          for r, res in zip(reqs, results, strict=True)]
+        print(f"recorded {name}: {len(reqs)} requests", file=sys.stderr)
+    return engine, recorded
+
+
+def lookup_check(requests: list[Recorded]) -> dict:
+    """fixed:K replayed on the host against the device's recorded steps: the share of steps that agree."""
+    same = total = 0
+    for i, req in enumerate(requests):
+        replayed = [(p, a) for _, _, p, a in replay_request(req, _Fixed(max(K_MENU)).choose, i)]
+        total += max(len(replayed), len(req.steps))
+        same += sum(x == y for x, y in zip(replayed, req.steps))
+    return {"steps": total, "agreeing": same, "share": same / max(total, 1)}
+
+
+def parse_variant(text: str):
+    """'NAME:section.key=value,...' -> (NAME, {section: {key: value}}) over jaxspec/configs/policy.yaml."""
+    name, _, body = text.partition(":")
+    changes: dict[str, dict] = {}
+    for item in filter(None, body.split(",")):
+        path, _, value = item.partition("=")
+        section, _, key = path.partition(".")
+        changes.setdefault(section, {})[key] = json.loads(value)
+    return name, changes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="chat,summarization,qa,sql,code,edit")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--cell", type=int, default=8, help="requests per fresh policy (the bench's cell)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-prompt-tokens", type=int, default=192)
+    ap.add_argument("--pricing", choices=("measured", "profile"), default="measured")
+    ap.add_argument("--cost-repeats", type=int, default=40, help="alternated runs per k of `step_costs`")
+    ap.add_argument("--variant", action="append", default=[], help="NAME:section.key=value,... (policy.yaml)")
+    ap.add_argument("--json", type=Path, required=True)
+    args = ap.parse_args(argv)
+
+    from jaxspec.bench.floor import load
+    from jaxspec.policy.registry import load_defaults, make_policy
+    from jaxspec.serving.runtime import build_policy
+
+    load_before, started = load(), time.time()
+    engine, recorded = record(args.workloads.split(","), args.requests, args.seed, args.max_tokens,
+                              args.max_prompt_tokens)
+    cost = build_policy("goodput", engine=engine, progress=False).cost
+    windows = engine.menu.window_buckets
+    measured = step_costs(engine, args.cost_repeats)
+    profiled = {k: cost.base_time(1, k, windows[0]) for k in K_MENU}
+    if args.pricing == "measured":
+        def price(k, window):
+            if window != windows[0]:
+                raise ValueError(f"a step at window {window}: step_costs measured {windows[0]} only")
+            return measured[k]
+    else:
+        def price(k, window):
+            return cost.base_time(1, k, window)
+    print("B = 1 step ms, measured / profiled: " + ", ".join(
+        f"k={k} {1e3 * measured[k]:.2f} / {1e3 * profiled[k]:.2f}" for k in K_MENU), file=sys.stderr)
+    defaults = load_defaults()
+    variants = {"goodput": defaults}
+    for text in args.variant:
+        name, changes = parse_variant(text)
+        variants[name] = dataclasses.replace(defaults, **{
+            section: dataclasses.replace(getattr(defaults, section), **kv) for section, kv in changes.items()})
+
+    results = {}
+    for name, requests in recorded.items():
+        row = {"lookup_check": lookup_check(requests)}
+        for k in K_MENU:
+            row["none" if k == 0 else f"fixed:{k}"] = run_policy(requests, lambda k=k: _Fixed(k), price, args.cell,
+                                                                   windows)
+        best = max((p for p in row if p.startswith("fixed:")), key=lambda p: row[p]["tokens_per_s"])
+        for vname, vdefaults in variants.items():
+            def make(vdefaults=vdefaults):
+                from jaxspec.policy.cost_model import CostModel
+                fresh = CostModel(cost.table, cost.fit, window_buckets=cost.window_buckets,
+                                  real_token_s=cost.real_token_s, online=vdefaults.cost_online)
+                return make_policy("goodput", cost_model=fresh, defaults=vdefaults)
+            row[vname] = run_policy(requests, make, price, args.cell, windows)
+            row[vname]["best_fixed"] = best
+            row[vname]["slower_than_best_fixed"] = row[best]["tokens_per_s"] / row[vname]["tokens_per_s"]
+        results[name] = row
+        print(f"{name}: lookup agreement {row['lookup_check']['share']:.3f}; best {best} "
+              f"{row[best]['tokens_per_s']:.1f} tok/s; " + "; ".join(
+                  f"{v} {row[v]['tokens_per_s']:.1f} ({row[v]['slower_than_best_fixed']:.3f}x slower)"
+                  for v in variants), file=sys.stderr)
+    meta = {"command": " ".join(["python -m benchmarks.goodput_replay"] + (argv or sys.argv[1:])),
+            "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "load_before": load_before, "load_after": load(), "k_menu": K_MENU, "pricing": args.pricing,
+            "step_ms_measured": {k: 1e3 * v for k, v in measured.items()},
+            "step_ms_profiled": {k: 1e3 * v for k, v in profiled.items()},
+            "variants": {v: [text for text in args.variant if text.startswith(v + ":")] for v in variants}}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
