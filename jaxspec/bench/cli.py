@@ -228,10 +228,13 @@ def _has_detok(tokenizer) -> bool:
 
 
 def service_rate(engine, tokenizer, workload, s: Settings) -> float:
-    """Requests/s of the plain engine with `capacity` requests in flight (the saturation point)."""
+    """Requests/s of the plain engine with `capacity` requests in flight (the saturation point), from an empty
+    prefix cache like every cell (a workload measured after one with the same contexts, QA after summarization,
+    would otherwise prefill from cache and be offered up to 2.7× its real capacity)."""
     from jaxspec.bench.loadgen import run_closed_loop, summarize
 
     reqs = _requests(workload, s, "calib")[: max(s.capacity, min(len(workload), 2 * s.capacity))]
+    engine.clear_prefix_cache()
     samples = run_closed_loop(_scheduler(engine, None, tokenizer, s.capacity, s.overlap), reqs, s.capacity)
     return len(samples) / summarize(samples)["span_s"]
 

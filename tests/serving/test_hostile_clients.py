@@ -74,6 +74,15 @@ def server():
     assert server.shutdown(drain=True, timeout=10)
 
 
+def _wait_counted(server: GenerationServer, before: dict[str, float], cancelled: int) -> None:
+    """Until the calls a test cancelled on the shared server are gone and counted: a cancellation is counted when
+    its call ends, which can be after the server's pending count dropped, and a count landing in the next test
+    would be that test's (it saw CANCELLED one higher than its own calls under a loaded machine)."""
+    wait_until(lambda: server.pending_calls == 0, what="no pending calls")
+    wait_until(lambda: _delta(before, _codes(server)).get("CANCELLED", 0) >= cancelled,
+               what="the cancellations counted")
+
+
 def _generated(server) -> int:
     with client_for(server) as client:
         messages = list(client.generate("still here", max_tokens=3, ignore_eos=True, timeout=30))
@@ -102,6 +111,7 @@ def test_one_connection_cannot_take_every_pending_place(server):
     """A burst of half-open calls from one connection gets at most half of the pending places (the other
     half stays for other connections); once its calls have waited PEER_GRACE_S, it gets PER_PEER."""
     per_connection = max(PER_PEER, PENDING // 2)
+    before = _codes(server)
     held = HalfOpen(server, GENERATE, PENDING)
     try:
         wait_until(lambda: server.pending_calls == per_connection, what="the connection's pending places to fill")
@@ -113,10 +123,11 @@ def test_one_connection_cannot_take_every_pending_place(server):
         assert "per connection" in refused[0].details()
     finally:
         held.close()
-    wait_until(lambda: server.pending_calls == 0, what="no pending calls")
+    _wait_counted(server, before, per_connection)
 
 
 def test_a_connection_whose_calls_stay_half_open_keeps_only_its_share(server):
+    before = _codes(server)
     held = HalfOpen(server, GENERATE, PER_PEER)
     try:
         wait_until(lambda: server.pending_calls == PER_PEER, what="the connection's calls to wait")
@@ -129,7 +140,7 @@ def test_a_connection_whose_calls_stay_half_open_keeps_only_its_share(server):
     finally:
         held.cancel()
         held.close()
-    wait_until(lambda: server.pending_calls == 0, what="no pending calls")
+    _wait_counted(server, before, PER_PEER)
 
 
 # --- item 3: huge prompts are refused by their bytes, before tokenizing ---------------------------------
