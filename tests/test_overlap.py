@@ -82,7 +82,11 @@ def test_fake_engine_overlapped_equals_synchronous(k, accept):
         sched = Scheduler(engine, FixedPolicy(k), config=config)
         results = sched.generate_all(fake_requests())
         outputs[config.overlap] = [(r.token_ids, r.finish_reason) for r in results]
-        assert max(probe.seen) == (1 if config.overlap else 0)  # overlapped: dispatched with one step unread
+        if config.overlap:  # dispatched with the step before it unread, unless a prompt chunk waited for that one
+            # first (Scheduler._await_in_flight); at k = 0 no row sits a step out, so steps between chunks overlap
+            assert max(probe.seen) <= 1 and (k > 0 or max(probe.seen) == 1)
+        else:
+            assert max(probe.seen) == 0
         no_leaks(engine, sched)
         assert engine.in_flight() == 0
     assert outputs[True] == outputs[False]
