@@ -458,7 +458,8 @@ class Scheduler:
         """Overlapped: wait for the step in flight to finish before a prompt chunk runs, and note when. The chunk
         blocks the host until it has run, and the device runs it after the step, so a chunk started first would
         absorb the step's remaining time and the policy would observe a step that cost almost nothing (seen on
-        this CPU: 3 ms steps, the cost model's correction driven to its clip). The wait costs the device only the
+        this CPU: 3 ms steps, the cost model's correction driven to its clip). The wait is the step's `result()`
+        (its few counts copied to the host early; `_read` still delivers it in turn) and costs the device only the
         chunk's dispatch. A step that fails is left to `_read`, which reads it again and handles the error."""
         step = self._in_flight
         if step is None or step.ready_at is not None:
