@@ -20,8 +20,8 @@ moved up to 10 % between cells of one run). This replays the choices alone, one 
    settings of jaxspec/configs/policy.yaml.
 
 Reported per workload and policy: tokens, seconds and tokens/s over all steps, the policy's own host time per
-step (choose + observe, on this machine's clock), and goodput's ratio to the best fixed k (tokens/s). The host
-matcher's agreement with the device's steps is in `lookup_check`.
+step (choose + observe, on this machine's clock), and goodput's ratio to the best fixed k, `none` included
+(tokens/s). The host matcher's agreement with the device's steps is in `lookup_check`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import numpy as np
 
 from jaxspec.bench.common import machine
 from jaxspec.menu import Menu, step_shape
-from jaxspec.policy.base import BatchView, Decision
+from jaxspec.policy.base import BatchView
+from jaxspec.policy.fixed import FixedPolicy
 from jaxspec.types import StepResult
 
 K_MENU = (0, 1, 2, 3, 5)
@@ -135,27 +136,12 @@ def run_policy(requests: list[Recorded], make, price, cell: int, windows) -> dic
             "k_hist": {str(k): n for k, n in sorted(k_hist.items())}}
 
 
-class _Fixed:
-    def __init__(self, k):
-        self.k = k
-
-    def choose(self, view):
-        return Decision(k=self.k)
-
-    def observe(self, *args):
-        pass
-
-    def forget(self, rid):
-        pass
-
-
 def record(workloads, n: int, seed: int, max_tokens: int, max_prompt_tokens: int):
     """(engine, {workload: [Recorded]}): greedy outputs under fixed:K with prompt lookup, 8 in flight."""
     from jaxspec.bench.workloads import load_workload
     from jaxspec.engine.build import build_model, build_proposer
     from jaxspec.engine.engine import Engine
     from jaxspec.models.loading.registry import DEFAULT_MODEL
-    from jaxspec.policy.fixed import FixedPolicy
     from jaxspec.scheduling.requests import Request
     from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
     from jaxspec.types import SamplingParams
@@ -183,7 +169,7 @@ def lookup_check(requests: list[Recorded]) -> dict:
     """fixed:K replayed on the host against the device's recorded steps: the share of steps that agree."""
     same = total = 0
     for i, req in enumerate(requests):
-        replayed = [(p, a) for _, _, p, a in replay_request(req, _Fixed(max(K_MENU)).choose, i)]
+        replayed = [(p, a) for _, _, p, a in replay_request(req, FixedPolicy(max(K_MENU)).choose, i)]
         total += max(len(replayed), len(req.steps))
         same += sum(x == y for x, y in zip(replayed, req.steps))
     return {"steps": total, "agreeing": same, "share": same / max(total, 1)}
@@ -215,13 +201,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from jaxspec.bench.floor import load
+    from jaxspec.engine.profiler import profile_key
+    from jaxspec.policy.cost_model import CostModel, load_matching_profile
     from jaxspec.policy.registry import load_defaults, make_policy
     from jaxspec.serving.runtime import build_policy
 
     load_before, started = load(), time.time()
     engine, recorded = record(args.workloads.split(","), args.requests, args.seed, args.max_tokens,
                               args.max_prompt_tokens)
-    cost = build_policy("goodput", engine=engine, progress=False).cost
+    build_policy("goodput", engine=engine, progress=False)  # profiles the engine once if no profile is saved
+    profile = load_matching_profile(profile_key(engine))
+    cost = CostModel.from_profile(profile)
     windows = engine.menu.window_buckets
     measured = step_costs(engine, args.cost_repeats)
     profiled = {k: cost.base_time(1, k, windows[0]) for k in K_MENU}
@@ -246,15 +236,13 @@ def main(argv=None) -> int:
     for name, requests in recorded.items():
         row = {"lookup_check": lookup_check(requests)}
         for k in K_MENU:
-            row["none" if k == 0 else f"fixed:{k}"] = run_policy(requests, lambda k=k: _Fixed(k), price, args.cell,
-                                                                   windows)
-        best = max((p for p in row if p.startswith("fixed:")), key=lambda p: row[p]["tokens_per_s"])
+            row["none" if k == 0 else f"fixed:{k}"] = run_policy(requests, lambda k=k: FixedPolicy(k), price,
+                                                                   args.cell, windows)
+        best = max(("none", *(f"fixed:{k}" for k in K_MENU if k)), key=lambda p: row[p]["tokens_per_s"])
         for vname, vdefaults in variants.items():
             def make(vdefaults=vdefaults):
-                from jaxspec.policy.cost_model import CostModel
-                fresh = CostModel(cost.table, cost.fit, window_buckets=cost.window_buckets,
-                                  real_token_s=cost.real_token_s, online=vdefaults.cost_online)
-                return make_policy("goodput", cost_model=fresh, defaults=vdefaults)
+                return make_policy("goodput", cost_model=CostModel.from_profile(profile, vdefaults.cost_online),
+                                   defaults=vdefaults)
             row[vname] = run_policy(requests, make, price, args.cell, windows)
             row[vname]["best_fixed"] = best
             row[vname]["slower_than_best_fixed"] = row[best]["tokens_per_s"] / row[vname]["tokens_per_s"]

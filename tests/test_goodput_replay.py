@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.goodput_replay import K_MENU, Recorded, _Fixed, lookup_chain, run_policy
+from benchmarks.goodput_replay import K_MENU, Recorded, lookup_chain, run_policy
+from jaxspec.policy.fixed import FixedPolicy
 from jaxspec.policy.registry import make_policy
 from jaxspec.speculation.proposers.base import StepContext
 from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
@@ -35,7 +36,7 @@ def test_every_policy_replays_the_same_tokens_and_goodput_speculates_on_a_copy()
     requests = [Recorded(prompt, output, max_tokens=len(output), steps=())] * 3
     cost = synthetic_cost_model(linear_cost(), (1,), K_MENU, (64,))
     price = lambda k, w: cost.base_time(1, k, w)  # noqa: E731
-    runs = {k: run_policy(requests, lambda k=k: _Fixed(k), price, cell=2, windows=(64,)) for k in K_MENU}
+    runs = {k: run_policy(requests, lambda k=k: FixedPolicy(k), price, cell=2, windows=(64,)) for k in K_MENU}
     runs["goodput"] = run_policy(requests, lambda: make_policy("goodput", cost_model=cost), price, cell=2,
                                  windows=(64,))
     assert {r["tokens"] for r in runs.values()} == {3 * (len(output) - 1)}  # the prefill gives the first
