@@ -1,13 +1,15 @@
 """Goodput's decisions replayed on recorded outputs, free of the machine's noise (issue 46).
 
-    python -m benchmarks.goodput_replay --workloads chat,summarization,qa,sql,code,edit --requests 24 \
-        --json docs/results/goodput/replay_c1.json
+    python -m benchmarks.goodput_replay --recordings docs/results/goodput/replay_recordings.json \
+        --json docs/results/goodput/replay_c1_lag1.json
 
 A bench cell's latency mixes the policy's choices with the machine's drift (prefill seconds of the same chunks
 moved up to 10 % between cells of one run). This replays the choices alone, one request at a time (c = 1):
 
 1. Record: the default model's greedy outputs for each workload's requests (the bench's prompts, seed and caps),
    run under fixed:K (K the menu's largest) with prompt lookup, keeping each request's (proposed, accepted) per step.
+   `--recordings FILE` saves them with the step costs and the cost profile (below), or replays from the file if it
+   exists (no engine is built then).
 2. Replay: prompt lookup's proposals are recomputed on the host (`lookup_chain`: longest n of max_ngram..min_ngram,
    latest earlier occurrence, as `PromptLookupProposer.propose` does on the device; checked by replaying fixed:K
    against the recorded steps). A step at k verifies the first min(k, cap) tokens of the chain; the accepted ones
@@ -16,12 +18,15 @@ moved up to 10 % between cells of one run). This replays the choices alone, one 
    policies differ only by their choices; `--pricing profile` prices by the cost profile instead. Goodput starts
    from the profile the bench's goodput uses and corrects it online from the times it observes, as it does live.
    Goodput is the shipped policy object (`make_policy`), fresh for every cell of `--cell` requests (the bench's
-   cold start), observing each replayed step; `--variant NAME:section.key=value,...` replays it with other
-   settings of jaxspec/configs/policy.yaml.
+   cold start), observing each replayed step after it chose the next (`--lag 1`, the overlapped loop; `--lag 0`,
+   the synchronous loop); `--variant NAME:section.key=value,...` replays it with other settings of
+   jaxspec/configs/policy.yaml.
 
 Reported per workload and policy: tokens, seconds and tokens/s over all steps, the policy's own host time per
-step (choose + observe, on this machine's clock), and goodput's ratio to the best fixed k, `none` included
-(tokens/s). The host matcher's agreement with the device's steps is in `lookup_check`.
+step (choose + observe, on this machine's clock), goodput's ratio to the best fixed k, `none` included (tokens/s),
+and per k its speculative tokens realised over predicted (`prediction_ratios`). Per workload: the host matcher's
+agreement with the device's steps (`lookup_check`) and how the first proposal's acceptance depends on the step
+before (`outcome_before`).
 """
 
 from __future__ import annotations
@@ -102,13 +107,45 @@ def step_costs(engine, repeats: int, context: int = 180) -> dict[int, float]:
     return dict(zip(K_MENU, times, strict=True))
 
 
-def run_policy(requests: list[Recorded], make, price, cell: int, windows) -> dict:
+def prediction_ratios(records) -> dict[str, dict]:
+    """Per padded k, from decision-log records: speculative tokens realised over predicted (bonus tokens left out)
+    and step seconds observed over priced, cold-start steps (predicted k + 1 tokens a row) apart:
+    {k: {"steps", "ratio", "seconds_ratio", "cold_steps", "cold_ratio"}} (k = 0 has no speculative tokens)."""
+    sums: dict[int, list[float]] = {}
+    for r in records:
+        if r.predicted_tokens is None:
+            continue
+        cold = r.k > 0 and abs(r.predicted_tokens - (r.k + 1) * r.batch) < 1e-9
+        s = sums.setdefault(r.k, [0.0] * 8)
+        base = 4 if cold else 0
+        s[base] += 1
+        s[base + 1] += r.predicted_tokens - r.batch
+        s[base + 2] += r.tokens - r.batch
+        if r.predicted_seconds:
+            s[3] += r.seconds / r.predicted_seconds
+    return {str(k): {"steps": int(s[0]), "ratio": s[2] / s[1] if s[1] else None,
+                     "seconds_ratio": s[3] / (s[0] + s[4]) if s[0] + s[4] else None,
+                     "cold_steps": int(s[4]), "cold_ratio": s[6] / s[5] if s[5] else None}
+            for k, s in sorted(sums.items())}
+
+
+def run_policy(requests: list[Recorded], make, price, cell: int, windows, lag: int = 0) -> dict:
     """Replay every request in order; a fresh policy (`make()`) per cell of `cell` requests. `price(k, window)`:
-    the seconds of a B = 1 step of that shape."""
+    the seconds of a B = 1 step of that shape. lag = 1 observes each step only after the next one was chosen, as
+    the overlapped loop does (lag = 0: before)."""
+    if lag not in (0, 1):
+        raise ValueError(f"lag must be 0 or 1, got {lag}")
     tokens = seconds = steps = 0
     host_s = 0.0  # in the policy's choose and observe
     k_hist: dict[int, int] = {}
     policy = None
+    records = []  # the decision logs of every cell (goodput's; fixed policies keep none)
+
+    def observe(held):
+        nonlocal host_s
+        began = time.perf_counter()
+        policy.observe(*held)
+        host_s += time.perf_counter() - began
 
     def choose(view):
         nonlocal host_s
@@ -119,21 +156,33 @@ def run_policy(requests: list[Recorded], make, price, cell: int, windows) -> dic
 
     for i, req in enumerate(requests):
         if i % cell == 0:
+            records.extend(getattr(policy, "log", ()))
             policy = make()
+        held = None  # a step chosen and run, not yet observed
         for view, decision, proposed, accepted in replay_request(req, choose, f"r{i}"):
+            if held is not None:  # the next step is chosen: the one before it is observed now
+                observe(held)
+                held = None
             shape = step_shape(view.context_lens, view.row_max_k, decision.k, K_MENU, windows)
             took = price(shape.k, shape.window)
             result = StepResult(tokens=np.zeros((1, shape.k + 1), np.int32), counts=np.array([accepted + 1]),
                                 proposed=np.array([proposed]))
-            began = time.perf_counter()
-            policy.observe(view, decision, result, took)
-            host_s += time.perf_counter() - began
+            held = (view, decision, result, took)
+            if not lag:
+                observe(held)
+                held = None
             tokens, seconds, steps = tokens + accepted + 1, seconds + took, steps + 1
             k_hist[shape.k] = k_hist.get(shape.k, 0) + 1
+        if held is not None:
+            observe(held)
         policy.forget(f"r{i}")
-    return {"tokens": tokens, "seconds": seconds, "steps": steps, "tokens_per_s": tokens / seconds,
-            "policy_host_ms_per_step": 1e3 * host_s / steps,
-            "k_hist": {str(k): n for k, n in sorted(k_hist.items())}}
+    records.extend(getattr(policy, "log", ()))
+    out = {"tokens": tokens, "seconds": seconds, "steps": steps, "tokens_per_s": tokens / seconds,
+           "policy_host_ms_per_step": 1e3 * host_s / steps,
+           "k_hist": {str(k): n for k, n in sorted(k_hist.items())}}
+    if records:
+        out["speculative_tokens_realised_over_predicted"] = prediction_ratios(records)
+    return out
 
 
 def record(workloads, n: int, seed: int, max_tokens: int, max_prompt_tokens: int):
@@ -175,6 +224,53 @@ def lookup_check(requests: list[Recorded]) -> dict:
     return {"steps": total, "agreeing": same, "share": same / max(total, 1)}
 
 
+def save_recordings(path: Path, recorded: dict[str, list[Recorded]], measured: dict[int, float], profile,
+                    windows, meta: dict | None = None) -> None:
+    """Write what a replay needs of the engine (outputs, B = 1 step costs, the cost profile) to `path`, with `meta`
+    (when and how they were measured)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta or {},
+                                "recorded": {w: [dataclasses.asdict(r) for r in reqs] for w, reqs in recorded.items()},
+                                "step_s": {str(k): v for k, v in measured.items()}, "profile": profile.to_json(),
+                                "windows": list(windows)}))
+
+
+def load_recordings(path: Path, workloads: list[str]):
+    """(recorded, step costs, profile, windows, meta) saved by `save_recordings`, for `workloads`."""
+    from jaxspec.policy.cost_model import CostProfile
+
+    data = json.loads(path.read_text())
+    missing = [w for w in workloads if w not in data["recorded"]]
+    if missing:
+        raise SystemExit(f"{path} holds no recording of {missing} (it has {sorted(data['recorded'])})")
+    recorded = {w: [Recorded(tuple(r["prompt"]), tuple(r["output"]), r["max_tokens"],
+                             tuple(tuple(s) for s in r["steps"])) for r in data["recorded"][w]] for w in workloads}
+    return (recorded, {int(k): v for k, v in data["step_s"].items()}, CostProfile.from_json(data["profile"]),
+            tuple(data["windows"]), data.get("meta", {}))
+
+
+def outcome_before(requests: list[Recorded]) -> dict:
+    """Under fixed:K, the chance the first proposal is accepted after a step that accepted all K (a run copied) and
+    after one that ended in a rejection, with the step before known (lag 1) and with one step unknown between
+    (lag 2, what the overlapped loop knows): {"lag1": {"after_full": [accepted, steps], "after_rejection": ...}}."""
+    k_max = max(K_MENU)
+    counts = {lag: {"after_full": [0, 0], "after_rejection": [0, 0]} for lag in (1, 2)}
+    for i, req in enumerate(requests):
+        ended_full: list[bool] = []
+        for view, _, _, accepted in replay_request(req, FixedPolicy(k_max).choose, i):
+            k = min(k_max, view.row_max_k[0])
+            if k == 0:
+                continue
+            for lag in (1, 2):
+                if len(ended_full) >= lag:
+                    c = counts[lag]["after_full" if ended_full[-lag] else "after_rejection"]
+                    c[0] += accepted >= 1
+                    c[1] += 1
+            ended_full.append(accepted == k)
+    return {f"lag{lag}": {state: {"accepted": a, "steps": n, "rate": a / n if n else None}
+                          for state, (a, n) in c.items()} for lag, c in counts.items()}
+
+
 def parse_variant(text: str):
     """'NAME:section.key=value,...' -> (NAME, {section: {key: value}}) over jaxspec/configs/policy.yaml."""
     name, _, body = text.partition(":")
@@ -197,6 +293,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pricing", choices=("measured", "profile"), default="measured")
     ap.add_argument("--cost-repeats", type=int, default=40, help="alternated runs per k of `step_costs`")
     ap.add_argument("--variant", action="append", default=[], help="NAME:section.key=value,... (policy.yaml)")
+    ap.add_argument("--lag", type=int, choices=(0, 1), default=1,
+                    help="1: observe each step after choosing the next (the overlapped loop); 0: before")
+    ap.add_argument("--recordings", type=Path, help="reuse the outputs, step costs and profile saved here by an "
+                    "earlier run (written here if the file does not exist)")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
 
@@ -207,13 +307,23 @@ def main(argv=None) -> int:
     from jaxspec.serving.runtime import build_policy
 
     load_before, started = load(), time.time()
-    engine, recorded = record(args.workloads.split(","), args.requests, args.seed, args.max_tokens,
-                              args.max_prompt_tokens)
-    build_policy("goodput", engine=engine, progress=False)  # profiles the engine once if no profile is saved
-    profile = load_matching_profile(profile_key(engine))
+    if args.recordings is not None and args.recordings.exists():
+        recorded, measured, profile, windows, measured_meta = load_recordings(args.recordings,
+                                                                              args.workloads.split(","))
+    else:
+        engine, recorded = record(args.workloads.split(","), args.requests, args.seed, args.max_tokens,
+                                  args.max_prompt_tokens)
+        build_policy("goodput", engine=engine, progress=False)  # profiles the engine once if no profile is saved
+        profile = load_matching_profile(profile_key(engine))
+        windows = engine.menu.window_buckets
+        measured = step_costs(engine, args.cost_repeats)
+        measured_meta = {"command": " ".join(["python -m benchmarks.goodput_replay"] + (argv or sys.argv[1:])),
+                         "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+                         "load_before": load_before, "load_after": load(), "requests": args.requests,
+                         "seed": args.seed, "max_tokens": args.max_tokens, "cost_repeats": args.cost_repeats}
+        if args.recordings is not None:
+            save_recordings(args.recordings, recorded, measured, profile, windows, measured_meta)
     cost = CostModel.from_profile(profile)
-    windows = engine.menu.window_buckets
-    measured = step_costs(engine, args.cost_repeats)
     profiled = {k: cost.base_time(1, k, windows[0]) for k in K_MENU}
     if args.pricing == "measured":
         def price(k, window):
@@ -234,16 +344,16 @@ def main(argv=None) -> int:
 
     results = {}
     for name, requests in recorded.items():
-        row = {"lookup_check": lookup_check(requests)}
+        row = {"lookup_check": lookup_check(requests), "outcome_before": outcome_before(requests)}
         for k in K_MENU:
             row["none" if k == 0 else f"fixed:{k}"] = run_policy(requests, lambda k=k: FixedPolicy(k), price,
-                                                                   args.cell, windows)
+                                                                   args.cell, windows, args.lag)
         best = max(("none", *(f"fixed:{k}" for k in K_MENU if k)), key=lambda p: row[p]["tokens_per_s"])
         for vname, vdefaults in variants.items():
             def make(vdefaults=vdefaults):
                 return make_policy("goodput", cost_model=CostModel.from_profile(profile, vdefaults.cost_online),
                                    defaults=vdefaults)
-            row[vname] = run_policy(requests, make, price, args.cell, windows)
+            row[vname] = run_policy(requests, make, price, args.cell, windows, args.lag)
             row[vname]["best_fixed"] = best
             row[vname]["slower_than_best_fixed"] = row[best]["tokens_per_s"] / row[vname]["tokens_per_s"]
         results[name] = row
@@ -254,6 +364,9 @@ def main(argv=None) -> int:
     meta = {"command": " ".join(["python -m benchmarks.goodput_replay"] + (argv or sys.argv[1:])),
             "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "load_before": load_before, "load_after": load(), "k_menu": K_MENU, "pricing": args.pricing,
+            "lag": args.lag,
+            "recordings": str(args.recordings) if args.recordings else None,
+            "recorded_and_step_costs_measured": measured_meta,
             "step_ms_measured": {k: 1e3 * v for k, v in measured.items()},
             "step_ms_profiled": {k: 1e3 * v for k, v in profiled.items()},
             "variants": {v: [text for text in args.variant if text.startswith(v + ":")] for v in variants}}

@@ -43,3 +43,84 @@ def test_every_policy_replays_the_same_tokens_and_goodput_speculates_on_a_copy()
     assert runs[0]["steps"] == 3 * (len(output) - 1) and runs[5]["steps"] < runs[1]["steps"]
     assert runs[5]["tokens_per_s"] > runs[0]["tokens_per_s"]
     assert runs["goodput"]["tokens_per_s"] > runs[1]["tokens_per_s"]  # it learns to speculate deep on copies
+
+
+class _Ordered:
+    """A policy at fixed k that records the order of its choose and observe calls."""
+
+    def __init__(self, k: int, calls: list):
+        self.k, self.calls = k, calls
+
+    def choose(self, view):
+        from jaxspec.policy.base import Decision
+        self.calls.append("choose")
+        return Decision(k=self.k)
+
+    def observe(self, view, decision, result, elapsed_s):
+        self.calls.append("observe")
+
+    def forget(self, request_id):
+        self.calls.append("forget")
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_lag_one_observes_each_step_after_the_next_is_chosen(lag):
+    """The overlapped loop chooses step t + 1 before it observes step t; lag = 0 is the synchronous loop. Every
+    step is observed either way, the last before the request is forgotten."""
+    text = [7, 8, 9, 10, 11, 12]
+    requests = [Recorded(tuple(text + [3, 7]), tuple(text[1:] + [5]), max_tokens=6, steps=())]
+    calls: list[str] = []
+    price = lambda k, w: 0.01  # noqa: E731
+    out = run_policy(requests, lambda: _Ordered(1, calls), price, cell=1, windows=(64,), lag=lag)
+    assert calls.count("choose") == calls.count("observe") == out["steps"] > 2
+    assert calls[-2:] == ["observe", "forget"]
+    expected = ["choose", "observe"] * out["steps"] if lag == 0 else (
+        ["choose"] + ["choose", "observe"] * (out["steps"] - 1) + ["observe"])
+    assert calls[:-1] == expected
+
+
+def test_prediction_ratios_leave_out_bonus_tokens_and_keep_the_cold_start_apart():
+    from types import SimpleNamespace
+
+    from benchmarks.goodput_replay import prediction_ratios
+
+    def rec(k, batch, predicted, tokens, seconds=0.02):
+        return SimpleNamespace(k=k, batch=batch, predicted_tokens=predicted, tokens=tokens,
+                               predicted_seconds=None if predicted is None else 0.02, seconds=seconds)
+
+    records = [rec(2, 1, 2.0, 3), rec(2, 1, 1.5, 1, seconds=0.03),  # predicted 1.0 + 0.5 speculative, realised 2 + 0
+               rec(5, 2, 12.0, 4),  # cold start: k + 1 a row
+               rec(0, 1, 1.0, 1), rec(3, 1, None, 2)]  # unpredicted: left out
+    out = prediction_ratios(records)
+    assert out["2"] == {"steps": 2, "ratio": 2 / 1.5, "seconds_ratio": 1.25, "cold_steps": 0, "cold_ratio": None}
+    assert out["5"] == {"steps": 0, "ratio": None, "seconds_ratio": 1.0, "cold_steps": 1, "cold_ratio": 2 / 10}
+    assert out["0"] == {"steps": 1, "ratio": None, "seconds_ratio": 1.0, "cold_steps": 0, "cold_ratio": None}
+    assert set(out) == {"0", "2", "5"}
+
+
+def test_recordings_round_trip(tmp_path):
+    from benchmarks.goodput_replay import load_recordings, save_recordings
+    from jaxspec.policy.cost_model import CostEntry, CostProfile, ProfileKey
+
+    key = ProfileKey(device_kind="cpu", model="tiny", draft="ngram", batch_buckets=(1,), k_menu=K_MENU,
+                     window_buckets=(64,))
+    profile = CostProfile(key=key, entries=tuple(CostEntry(1, k, 64, linear_cost()(1, k, 64)) for k in K_MENU))
+    recorded = {"chat": [Recorded((1, 2, 3), (4, 5), 8, ((1, 0), (2, 1)))]}
+    path = tmp_path / "rec.json"
+    save_recordings(path, recorded, {0: 0.02, 1: 0.021}, profile, (64,), {"date": "today"})
+    back, costs, prof, windows, meta = load_recordings(path, ["chat"])
+    assert back == recorded and costs == {0: 0.02, 1: 0.021} and windows == (64,) and meta == {"date": "today"}
+    assert prof.to_json() == profile.to_json()
+    with pytest.raises(SystemExit, match="no recording of"):
+        load_recordings(path, ["sql"])
+
+
+def test_outcome_before_counts_first_acceptances_after_a_copied_run():
+    from benchmarks.goodput_replay import outcome_before
+
+    text = list(range(10, 30))
+    # the output copies the prompt's text (every step accepts all it proposes), then leaves it
+    requests = [Recorded(tuple(text + [3, 10]), tuple(text[1:15] + [5, 6, 7, 8]), max_tokens=18, steps=())]
+    out = outcome_before(requests)
+    assert out["lag1"]["after_full"]["steps"] > 0
+    assert out["lag1"]["after_full"]["rate"] > out["lag1"]["after_rejection"]["rate"]
