@@ -41,7 +41,7 @@ its proposer's, pulled by its own evidence (not a warm start its few trials then
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -63,6 +63,8 @@ class AcceptanceConfig:
     global_decay:    γ per observation for the proposer-wide counts (longer memory).
     max_positions:   positions tracked for per-position rates.
     idle_decay:      γ_idle per k = 0 step relaxing a request toward the global prior (1 = off).
+    run_min_z:       standard errors by which the first position's rate after a copied run must differ from its
+                     rate after a rejection before `RunState` prices steps by it.
     """
 
     initial_alpha: float = 0.5
@@ -71,6 +73,7 @@ class AcceptanceConfig:
     global_decay: float = 0.995
     max_positions: int = 16
     idle_decay: float = 0.995
+    run_min_z: float = 3.0
 
     def __post_init__(self):
         if not 0.0 <= self.initial_alpha <= 1.0:
@@ -80,6 +83,8 @@ class AcceptanceConfig:
         for name in ("request_decay", "global_decay", "idle_decay"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.run_min_z < 0:
+            raise ValueError(f"run_min_z must be >= 0, got {self.run_min_z}")
         if self.max_positions < 1:
             raise ValueError(f"max_positions must be >= 1, got {self.max_positions}")
 
@@ -206,6 +211,72 @@ class AcceptanceTracker:
     @property
     def tracked(self) -> int:
         return len(self._requests)
+
+
+RUN_MIN = 2  # a verify that accepted all it was allowed, at least this many, ended inside a copied run
+
+
+class RunState:
+    """The first proposal of a step by how the request's step before ended (docs/design.md, "The goodput policy").
+
+    Prompt lookup accepts in runs: a step that accepted all it was allowed (`RUN_MIN` or more) ended inside a copied
+    span, and the next step's first proposal is then accepted several times as often as after a rejection. So each
+    request is in state s = 1 after such a verify and s = 0 otherwise (a new request too; a k = 0 step keeps it), and
+    the proposer-wide rate of position 1 in each state, from discounted counts (S_s, T_s) shrunk toward the pooled
+    rate with m pseudo-trials, is
+
+        G_s = (S_s + m·G) / (T_s + m),   G = (S_0 + S_1) / (T_0 + T_1);   a request's: min(1, λ_i·G_s)
+
+    with λ_i = (a_i + m) / (p_i + m) its discounted accepted first proposals over those the G_s of its states
+    predicted (1 for a new request). The states are used only once G_0 and G_1 differ by `run_min_z` standard
+    errors (`separated`): a proposer whose steps are alike (a draft) is priced as before."""
+
+    def __init__(self, config: AcceptanceConfig = AcceptanceConfig()):
+        self.config = config
+        self._first = np.zeros((2, 2))  # [state, (accepted, verified)] position 1, proposer-wide, discounted
+        self._state: dict[Hashable, int] = {}
+        self._requests: dict[Hashable, list[float]] = {}  # request -> discounted [accepted, predicted] position 1
+
+    def observe(self, request_id: Hashable, accepted: int, allowed: int) -> None:
+        """One verify of a request allowed `allowed` proposals (a missing one a rejection), `accepted` accepted."""
+        if not 0 <= accepted <= allowed:
+            raise ValueError(f"need 0 <= accepted <= allowed, got accepted={accepted}, allowed={allowed}")
+        if allowed == 0:
+            return
+        c = self.config
+        state = self._state.get(request_id, 0)
+        predicted = self.state_rates()[state]  # before this evidence
+        self._first[state] = c.global_decay * self._first[state] + (accepted >= 1, 1.0)
+        counts = self._requests.setdefault(request_id, [0.0, 0.0])
+        counts[0] = c.request_decay * counts[0] + (accepted >= 1)
+        counts[1] = c.request_decay * counts[1] + predicted
+        self._state[request_id] = int(accepted == allowed and accepted >= RUN_MIN)
+
+    def state_rates(self) -> np.ndarray:
+        """[2] G_0 (after a rejection), G_1 (after a copied run)."""
+        accepted, verified = self._first.sum(axis=0)
+        pooled = accepted / verified if verified > 0 else self.config.initial_alpha
+        m = self.config.prior_strength
+        return (self._first[:, 0] + m * pooled) / (self._first[:, 1] + m)
+
+    def separated(self) -> bool:
+        """Whether G_0 and G_1 differ by `run_min_z` standard errors (and each state has a verify's evidence)."""
+        (s0, t0), (s1, t1) = self._first
+        if min(t0, t1) < 1:
+            return False
+        pooled = (s0 + s1) / (t0 + t1)
+        se = np.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / t0 + 1 / t1))
+        return abs(s1 / t1 - s0 / t0) >= self.config.run_min_z * se
+
+    def first_rates(self, request_ids: Sequence[Hashable]) -> np.ndarray:
+        """[n, 2] each request's min(1, λ_i·G_s) for s = 0, 1."""
+        m = self.config.prior_strength
+        factors = np.array([(a + m) / (p + m) for a, p in (self._requests.get(r, (0.0, 0.0)) for r in request_ids)])
+        return np.minimum(1.0, factors[:, None] * self.state_rates()[None, :])  # [n, 2]
+
+    def forget(self, request_id: Hashable) -> None:
+        self._state.pop(request_id, None)
+        self._requests.pop(request_id, None)
 
 
 class TreeYieldTracker:

@@ -72,6 +72,18 @@ predicted tokens, shrunk toward 1. A row whose chain was proposed ahead of a ste
 (`BatchView.assumed_rates`) has its first rate times Π cal of the assumed tokens, the chance its context is the
 one assumed; the scheduler observes such a row's chain only if the assumption held.
 
+Runs: prompt lookup accepts in runs. A step that accepted all it was allowed (two or more) ended inside a copied
+span, and the next step's first proposal is then accepted several times as often as after a rejection (measured on
+the recorded outputs of every workload, benchmarks/goodput_replay.py `outcome_before`). Rates that pool both kinds of
+step price a short chain, which ends inside a run more often, too low and a long one too high. So, once `RunState`
+shows the two first-position rates apart, the rows' chains are priced per state s (the first rate G_s of the row,
+the positions after it as before) and each k by the tokens per step running it yields in the long run: with
+E_s(k) the expectation from state s and P_s(k) the chance of a copied run (all k accepted, k ≥ 2),
+
+    π(k) = P_0(k) / (P_0(k) + 1 − P_1(k)),      E_i(k) = π(k)·E_1(k) + (1 − π(k))·E_0(k)
+
+which is what fixed:k yields on that process, the baseline goodput is judged against.
+
 Feasibility: an option needs a window for its shape (the engine's capacity check); a menu value
 above every row's cap runs as a smaller one and is evaluated once, as that one.
 """
@@ -86,7 +98,14 @@ from collections.abc import Hashable
 import numpy as np
 
 from jaxspec.menu import StepShape
-from jaxspec.policy.acceptance import AcceptanceConfig, AcceptanceTracker, ConfidenceCalibration, TreeYieldTracker
+from jaxspec.policy.acceptance import (
+    RUN_MIN,
+    AcceptanceConfig,
+    AcceptanceTracker,
+    ConfidenceCalibration,
+    RunState,
+    TreeYieldTracker,
+)
 from jaxspec.policy.base import BatchView, Decision, Policy
 from jaxspec.policy.cost_model import CostModel, CostModelError
 from jaxspec.policy.decision_log import DecisionLog
@@ -108,7 +127,9 @@ class GoodputConfig:
       (until then rows are evaluated at α = 1, see "Cold start"); 0 = no exploration.
     explore_every: every N-th decision may run a menu neighbour of the best option (see
       "Exploration"); 0 = never.
-    explore_margin: ... if the neighbour's predicted goodput is at least (1 − margin) times the best's."""
+    explore_margin: ... if the neighbour's predicted goodput is at least (1 − margin) times the best's.
+    run_state: with positional rates, price the first proposal by how the row's step before ended and each k by the
+      tokens per step it yields in the long run, once the proposer's steps are shown not alike (see "Runs")."""
 
     positional: bool = False
     short_proposal_is_rejection: bool = True
@@ -118,6 +139,7 @@ class GoodputConfig:
     explore_trials: int = 8
     explore_every: int = 16
     explore_margin: float = 0.25
+    run_state: bool = True
 
     def __post_init__(self):
         if self.explore_every < 0:
@@ -154,6 +176,7 @@ class GoodputPolicy(Policy):
         self.trees = TreeYieldTracker(self.acceptance.config if isinstance(self.acceptance, AcceptanceTracker)
                                       else AcceptanceConfig())
         self.calibration = ConfidenceCalibration(self.trees.config)  # host proposers' confidences (suffix decoding)
+        self.runs = RunState(self.trees.config)  # the first proposal by how the step before ended
         self.config = config
         self.log = DecisionLog(config.log_size)
         # decisions chosen but not yet observed, with their option and whether it explored (the overlapped loop
@@ -195,9 +218,34 @@ class GoodputPolicy(Policy):
         return rates
 
     def row_expectations(self, view: BatchView, k_max: int) -> np.ndarray:
-        """[n, k_max+1] E_i(j) = 1 + Σ_{d≤j} Π_{d'≤d} α_i(d') for j = 0..k_max."""
-        reach = np.cumprod(self.row_rates(view, k_max), axis=1)  # [n, k_max] P(proposals 1..d all accepted)
-        return np.concatenate([np.ones((len(view.request_ids), 1)), 1.0 + np.cumsum(reach, axis=1)], axis=1)
+        """[n, k_max+1] E_i(j) = 1 + Σ_{d≤j} Π_{d'≤d} α_i(d') for j = 0..k_max, or with runs priced (module doc,
+        "Runs") the tokens per step of running j in the long run."""
+        rates = self.row_rates(view, k_max)  # [n, k_max]
+        ones = np.ones((len(view.request_ids), 1))
+        if k_max and self.prices_runs(view):
+            return np.concatenate([ones, self.run_expectations(rates, self.runs.first_rates(view.request_ids))],
+                                  axis=1)
+        reach = np.cumprod(rates, axis=1)  # [n, k_max] P(proposals 1..d all accepted)
+        return np.concatenate([ones, 1.0 + np.cumsum(reach, axis=1)], axis=1)
+
+    def prices_runs(self, view: BatchView) -> bool:
+        """Whether rows are priced by `RunState`: positional chain rates past the cold start, states shown apart."""
+        return (self.config.run_state and self.config.positional and not view.proposal_rates
+                and self.acceptance.global_trials >= self.config.explore_trials and self.runs.separated())
+
+    @staticmethod
+    def run_expectations(rates: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """[n, J] long-run tokens per step of running j = 1..J, from positional rates [n, J] (positions ≥ 2 used)
+        and the first position's rate after a rejection and after a copied run [n, 2] (module doc, "Runs")."""
+        by_state = np.repeat(rates[:, None, :], 2, axis=1)  # [n, 2, J]
+        by_state[:, :, 0] = first
+        reach = np.cumprod(by_state, axis=2)  # [n, 2, J] P(proposals 1..d accepted | state)
+        tokens = 1.0 + np.cumsum(reach, axis=2)  # [n, 2, J] E_s(j)
+        run = reach.copy()  # [n, 2, J] P(a copied run at j | state): all j accepted, j ≥ RUN_MIN
+        run[:, :, :RUN_MIN - 1] = 0.0
+        leave, enter = 1.0 - run[:, 1], run[:, 0]  # [n, J] P(run -> no run), P(no run -> run)
+        in_run = np.where(leave + enter > 1e-12, enter / np.maximum(leave + enter, 1e-12), 1.0)  # [n, J] stationary
+        return in_run * tokens[:, 1] + (1.0 - in_run) * tokens[:, 0]  # [n, J]
 
     def shape(self, view: BatchView, k: int, row_caps=None) -> StepShape:
         """The shape a step at padded k runs at, rows capped at `row_caps` (default: their room)."""
@@ -312,6 +360,7 @@ class GoodputPolicy(Policy):
                 continue
             trials = shape.caps[i] if self.config.short_proposal_is_rejection else proposed
             self.acceptance.observe(rid, accepted, trials)
+            self.runs.observe(rid, accepted, shape.caps[i])
             if view.proposal_rates:  # what the row's confidences predicted for the tokens it verified
                 self.calibration.observe(rid, view.proposal_rates[i][:proposed], accepted)
         if result.catch_up_calls:
@@ -332,6 +381,7 @@ class GoodputPolicy(Policy):
         self.acceptance.forget(request_id)
         self.trees.forget(request_id)
         self.calibration.forget(request_id)
+        self.runs.forget(request_id)
 
 
 class GoodputPerRequestPolicy(GoodputPolicy):

@@ -165,3 +165,62 @@ def test_a_request_s_rare_deep_positions_shrink_toward_the_proposer_s():
     tracker.observe("old", 3, 8)  # then reached position 4 once and was rejected there
     g4 = tracker.global_position_alphas()[3]
     assert g4 > 0.85 and tracker.position_alphas("old")[3] == pytest.approx(4 / 5 * g4)  # (0 + 4·g4) / (1 + 4)
+
+
+def _copy_runs(state: dict, start: float, within: float, rng):
+    """Prompt lookup's runs: the first proposal is accepted with `within` after a step that copied a run (all it was
+    allowed, two or more), with `start` otherwise; later ones with `within`. Returns accepted of `allowed`."""
+    def verify(allowed: int) -> int:
+        accepted = 0
+        while accepted < allowed and rng.random() < (within if accepted or state.get("run") else start):
+            accepted += 1
+        if allowed:
+            state["run"] = accepted == allowed and accepted >= 2
+        return accepted
+    return verify
+
+
+def test_run_state_finds_runs_and_their_first_rates():
+    from jaxspec.policy.acceptance import RunState
+
+    runs, state = RunState(), {}
+    verify = _copy_runs(state, start=0.2, within=0.9, rng=np.random.default_rng(0))
+    for _ in range(3000):
+        runs.observe("r", verify(3), 3)
+    after_rejection, after_run = runs.state_rates()
+    assert runs.separated()
+    assert after_rejection == pytest.approx(0.2, abs=0.05) and after_run == pytest.approx(0.9, abs=0.05)
+    mine = runs.first_rates(["r"])[0]  # λ·G_s, λ the request's accepted over predicted (memory ~10 verifies)
+    factor = mine[0] / after_rejection
+    assert 0.5 < factor < 2.0 and mine[1] == pytest.approx(min(1.0, factor * after_run))
+    assert np.array_equal(runs.first_rates(["new"])[0], runs.state_rates())  # a new request: λ = 1
+    runs.forget("r")
+    assert np.array_equal(runs.first_rates(["r"])[0], runs.state_rates())
+
+
+def test_run_state_stays_off_when_steps_are_alike():
+    """A draft's steps: every first proposal accepted with 0.6 whatever came before. The two rates never differ by
+    3 standard errors, so the policy keeps pricing as before."""
+    from jaxspec.policy.acceptance import RunState
+
+    runs, rng = RunState(), np.random.default_rng(1)
+    separated = []
+    for _ in range(3000):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.6:
+            accepted += 1
+        runs.observe("r", accepted, 4)
+        separated.append(runs.separated())
+    assert sum(separated) < 0.01 * len(separated)
+
+
+def test_run_state_ignores_k0_steps_and_rejects_bad_counts():
+    from jaxspec.policy.acceptance import RunState
+
+    runs = RunState()
+    runs.observe("r", 3, 3)  # a copied run
+    runs.observe("r", 0, 0)  # a k = 0 step: no evidence, the state stays
+    runs.observe("r", 0, 2)
+    assert runs._first[1, 1] == 1.0 and runs._first[0, 1] == 1.0  # one verify after a rejection, one after a run
+    with pytest.raises(ValueError):
+        runs.observe("r", 3, 2)

@@ -492,3 +492,75 @@ def test_the_log_keeps_predictions_when_the_next_step_is_chosen_before_this_one_
     records = list(p.log)
     assert [r.k for r in records] == [first.k, second.k]
     assert all(r.predicted_tokens is not None and r.predicted_seconds is not None for r in records)
+
+
+def test_run_expectations_are_what_a_fixed_k_yields_on_a_process_with_runs():
+    """The long-run tokens per step of running k (module doc, "Runs") against a simulation of that process."""
+    rng = np.random.default_rng(0)
+    start, within = 0.2, 0.85
+    rates = np.array([[0.3] + [within] * 5])  # [1, 5] positions ≥ 2 used; the first comes from the states
+    first = np.array([[start, within]])  # [1, 2]
+    predicted = GoodputPolicy.run_expectations(rates, first)[0]  # [5] k = 1..5
+    for k in range(1, 6):
+        run, tokens, steps = False, 0, 40_000
+        for _ in range(steps):
+            accepted = 0
+            while accepted < k and rng.random() < (within if accepted or run else start):
+                accepted += 1
+            run = accepted == k and accepted >= 2
+            tokens += accepted + 1
+        assert predicted[k - 1] == pytest.approx(tokens / steps, rel=0.02)
+    # with alike states it is the plain chain expectation
+    plain = GoodputPolicy.run_expectations(rates, np.array([[0.3, 0.3]]))[0]
+    assert np.allclose(plain, 1 + np.cumsum(np.cumprod(rates[0])))
+
+
+def _copy_run_result(start: float, within: float):
+    """Prompt lookup's runs (one row): the first proposal is accepted with `within` after a step that copied a run
+    (all it was allowed, two or more), with `start` otherwise; later ones with `within`."""
+    state = {"run": False}
+
+    def result(alphas, allowed, rng):
+        (k,) = allowed
+        accepted = 0
+        while accepted < k and rng.random() < (within if accepted or state["run"] else start):
+            accepted += 1
+        if k:
+            state["run"] = accepted == k and accepted >= 2
+        return StepResult(tokens=np.zeros((1, k + 1), np.int32), counts=np.array([accepted + 1]),
+                          proposed=np.array([k]))
+    return result
+
+
+def test_runs_priced_reach_the_best_fixed_k_on_a_process_with_runs():
+    """After a copied run the next first proposal is accepted with 0.9, after a rejection with 0.15 (what the replay
+    measured on prompt lookup's real outputs, `outcome_before`). Pooled rates price the first proposal at their mix
+    and run deep k (k = 8 most steps, 0.948-0.963 of the best fixed k); priced by runs, goodput holds k = 2-4 and
+    its predictions match what its steps realise."""
+    from jaxspec.policy.base import Decision
+
+    class Fixed:
+        def __init__(self, k):
+            self.k = k
+
+        def choose(self, v):
+            return Decision(k=self.k)
+
+        def observe(self, *a):
+            pass
+
+    got = {True: [], False: []}
+    for seed in range(3):
+        best = max(run(Fixed(k), lambda t: [0.5], 1500, _LOOKUP_COST, seed=seed,
+                       simulate=_copy_run_result(0.15, 0.9))["goodput"] for k in (2, 3, 4, 5, 6))
+        for priced in (True, False):
+            p = GoodputPolicy(cost_model(_LOOKUP_COST), AcceptanceTracker(),
+                              GoodputConfig(positional=True, run_state=priced))
+            result = run(p, lambda t: [0.5], 1500, _LOOKUP_COST, seed=seed, simulate=_copy_run_result(0.15, 0.9))
+            got[priced].append(result["goodput"] / best)
+            if priced:
+                late = [r for r in p.log if r.predicted_tokens is not None and r.k > 0][200:]
+                realised = sum(r.tokens - 1 for r in late) / sum(r.predicted_tokens - 1 for r in late)
+                assert realised == pytest.approx(1.0, abs=0.06)
+    assert np.mean(got[True]) >= np.mean(got[False]) + 0.01
+    assert min(got[True]) >= 0.95
