@@ -73,7 +73,7 @@ class AcceptanceConfig:
     global_decay: float = 0.995
     max_positions: int = 16
     idle_decay: float = 0.995
-    run_min_z: float = 3.0
+    run_min_z: float = 2.0
 
     def __post_init__(self):
         if not 0.0 <= self.initial_alpha <= 1.0:
