@@ -111,22 +111,27 @@ def prediction_ratios(records) -> dict[str, dict]:
     """Per padded k, from decision-log records: speculative tokens realised over predicted (bonus tokens left out)
     and step seconds observed over priced, cold-start steps (predicted k + 1 tokens a row) apart:
     {k: {"steps", "ratio", "seconds_ratio", "cold_steps", "cold_ratio"}} (k = 0 has no speculative tokens)."""
-    sums: dict[int, list[float]] = {}
+    sums: dict[int, dict[str, float]] = {}
     for r in records:
         if r.predicted_tokens is None:
             continue
         cold = r.k > 0 and abs(r.predicted_tokens - (r.k + 1) * r.batch) < 1e-9
-        s = sums.setdefault(r.k, [0.0] * 8)
-        base = 4 if cold else 0
-        s[base] += 1
-        s[base + 1] += r.predicted_tokens - r.batch
-        s[base + 2] += r.tokens - r.batch
+        s = sums.setdefault(r.k, dict.fromkeys(("steps", "pred", "real", "cold_steps", "cold_pred", "cold_real",
+                                                "seconds_ratio"), 0.0))
+        prefix = "cold_" if cold else ""
+        s[prefix + "steps"] += 1
+        s[prefix + "pred"] += r.predicted_tokens - r.batch
+        s[prefix + "real"] += r.tokens - r.batch
         if r.predicted_seconds:
-            s[3] += r.seconds / r.predicted_seconds
-    return {str(k): {"steps": int(s[0]), "ratio": s[2] / s[1] if s[1] else None,
-                     "seconds_ratio": s[3] / (s[0] + s[4]) if s[0] + s[4] else None,
-                     "cold_steps": int(s[4]), "cold_ratio": s[6] / s[5] if s[5] else None}
-            for k, s in sorted(sums.items())}
+            s["seconds_ratio"] += r.seconds / r.predicted_seconds
+    out = {}
+    for k, s in sorted(sums.items()):
+        every = s["steps"] + s["cold_steps"]
+        out[str(k)] = {"steps": int(s["steps"]), "ratio": s["real"] / s["pred"] if s["pred"] else None,
+                       "seconds_ratio": s["seconds_ratio"] / every if every else None,
+                       "cold_steps": int(s["cold_steps"]),
+                       "cold_ratio": s["cold_real"] / s["cold_pred"] if s["cold_pred"] else None}
+    return out
 
 
 def run_policy(requests: list[Recorded], make, price, cell: int, windows, lag: int = 0) -> dict:
@@ -296,7 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lag", type=int, choices=(0, 1), default=1,
                     help="1: observe each step after choosing the next (the overlapped loop); 0: before")
     ap.add_argument("--recordings", type=Path, help="reuse the outputs, step costs and profile saved here by an "
-                    "earlier run (written here if the file does not exist)")
+                    "earlier run, with its --requests, --seed, --max-tokens, --max-prompt-tokens and --cost-repeats "
+                    "(written here if the file does not exist)")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
 
@@ -307,6 +313,9 @@ def main(argv=None) -> int:
     from jaxspec.serving.runtime import build_policy
 
     load_before, started = load(), time.time()
+    run = {"command": " ".join(["python -m benchmarks.goodput_replay"] + (argv or sys.argv[1:])),
+           "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+           "load_before": load_before}
     if args.recordings is not None and args.recordings.exists():
         recorded, measured, profile, windows, measured_meta = load_recordings(args.recordings,
                                                                               args.workloads.split(","))
@@ -317,10 +326,8 @@ def main(argv=None) -> int:
         profile = load_matching_profile(profile_key(engine))
         windows = engine.menu.window_buckets
         measured = step_costs(engine, args.cost_repeats)
-        measured_meta = {"command": " ".join(["python -m benchmarks.goodput_replay"] + (argv or sys.argv[1:])),
-                         "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-                         "load_before": load_before, "load_after": load(), "requests": args.requests,
-                         "seed": args.seed, "max_tokens": args.max_tokens, "cost_repeats": args.cost_repeats}
+        measured_meta = {**run, "load_after": load(), "requests": args.requests, "seed": args.seed,
+                         "max_tokens": args.max_tokens, "cost_repeats": args.cost_repeats}
         if args.recordings is not None:
             save_recordings(args.recordings, recorded, measured, profile, windows, measured_meta)
     cost = CostModel.from_profile(profile)
@@ -361,9 +368,7 @@ def main(argv=None) -> int:
               f"{row[best]['tokens_per_s']:.1f} tok/s; " + "; ".join(
                   f"{v} {row[v]['tokens_per_s']:.1f} ({row[v]['slower_than_best_fixed']:.3f}x slower)"
                   for v in variants), file=sys.stderr)
-    meta = {"command": " ".join(["python -m benchmarks.goodput_replay"] + (argv or sys.argv[1:])),
-            "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "load_before": load_before, "load_after": load(), "k_menu": K_MENU, "pricing": args.pricing,
+    meta = {**run, "load_after": load(), "k_menu": K_MENU, "pricing": args.pricing,
             "lag": args.lag,
             "recordings": str(args.recordings) if args.recordings else None,
             "recorded_and_step_costs_measured": measured_meta,

@@ -266,7 +266,7 @@ class RunState:
             return False
         pooled = (s0 + s1) / (t0 + t1)
         se = np.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / t0 + 1 / t1))
-        return abs(s1 / t1 - s0 / t0) >= self.config.run_min_z * se
+        return bool(abs(s1 / t1 - s0 / t0) >= self.config.run_min_z * se)
 
     def first_rates(self, request_ids: Sequence[Hashable]) -> np.ndarray:
         """[n, 2] each request's min(1, λ_i·G_s) for s = 0, 1."""

@@ -22,7 +22,8 @@ The cost is linear in the real tokens r with slope c = ∂T/∂r (factor · c_re
 so the optimum is a threshold set: add row tokens in decreasing order of their marginal gain
 g = E_i(j) − E_i(j−1) = Π_{l≤j} α_{i,l} while g / c > G (adding raises the ratio iff its gain per
 second beats the current ratio; gains of a row never increase with j, so the greedy order is
-valid and the first refusal ends it). With c_real = 0 (a purely padded executable) every row
+valid and the first refusal ends it; runs are not priced here, since a run's next step makes the gain of j = 2
+larger than that of j = 1). With c_real = 0 (a purely padded executable) every row
 with a useful token takes k_i = min(K, cap_i):
 per-row k only pays off when verification is priced per real token. The allocation is then
 priced at the shape it runs (a smaller k' and window when every row ended below K).
@@ -388,6 +389,11 @@ class GoodputPerRequestPolicy(GoodputPolicy):
     """Padded K from the menu, per-row k_i ≤ K by greedy marginal gain (see module doc)."""
 
     name = "goodput-per-request"
+
+    def prices_runs(self, view: BatchView) -> bool:
+        """Never: the long-run expectation of runs (module doc, "Runs") is not concave in k_i (a run needs two
+        accepted tokens, so the gain of j = 2 can exceed that of j = 1), and the greedy allocation needs it to be."""
+        return False
 
     def allocate(self, view: BatchView, e: np.ndarray, shape: StepShape) -> Option:
         if view.trees:
