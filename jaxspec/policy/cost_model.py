@@ -27,10 +27,24 @@ Three layers, each deterministic (no clock is read here):
    shape, also those the policy has not run lately: a per-shape correction alone makes the
    shapes the policy runs look cheap and locks it onto them (onto k = 0 on a device faster than
    its profile). A draft that is slower or faster relative to the target than profiled shows as a
-   trend of ρ with π and moves b, so it is not charged to k = 0. While the evidence cannot tell
-   the two apart (one shape observed) the priors (τ₀ ≪ λ/π²) attribute it to the device. A
-   shape's own deviation is its residual, trusted as its evidence outgrows τ; a shape's weight
-   a_s in (d, b) saturates at τ, so the shape the policy runs most does not drown the others.
+   trend of ρ with π and moves b, so it is not charged to k = 0. A shape's own deviation is its
+   residual, trusted as its evidence outgrows τ; a shape's weight a_s in (d, b) saturates at τ,
+   so the shape the policy runs most does not drown the others.
+
+   The priors are in the units of that saturated weight, the variance σ_r² of a shape's own
+   deviation: τ₀ = σ_r²/σ_d², λ = σ_r²/σ_b². d is nearly free (τ₀ = 10⁻³: a device may run at
+   any speed). b's prior is one-sided: a draft slower than profiled (b > 0) is believed from little
+   evidence (λ₊ = 10⁻⁴), one faster than profiled (b < 0) only from much (λ₋ = 0.1: a draft more
+   than ~1.6× faster relative to the target, σ_b ≈ 0.5, is as unlikely as a shape ~15 % off on its
+   own, σ_r ≈ 0.15, the size measured on this CPU). The sign of b does not depend on λ, so the fit
+   takes λ₊ or λ₋ by it. Why one-sided: k = 0 is the one shape without drafting, so its price
+   rests on d alone, extrapolated to π = 0 when goodput speculates. A slope fitted through a few
+   noisy shapes extrapolates far: two shapes with nearby π (a B = 4 step at k = 1 observed 1.45×
+   its profile, k = 3 as profiled) gave d = 0.88, b = −1.9 and priced the never-run k = 0 at
+   2.2× its cost, so goodput speculated where `none` was faster (a bench's decision log,
+   docs/benchmarks.md, "The draft slope"). A negative slope overprices k = 0, a positive one
+   underprices it: the one-sided prior errs toward the plain step, the option goodput promises
+   never to lose to.
 
 The shape of a step (its padded k and attention window from per-row lengths and caps) is
 decided by `jaxspec.menu.step_shape`, the function the engine runs steps with.
@@ -251,7 +265,10 @@ class OnlineCostConfig:
     residual_prior: τ, pseudo-observations behind "this shape runs like the shared correction
                     says"; a shape's own evidence must outgrow it before its residual is trusted.
     device_prior:   τ₀, ridge weight of "the device runs as profiled" (d = 0).
-    draft_prior:    λ, ridge weight of "the draft/target balance is as profiled" (b = 0).
+    draft_prior:    λ₊, ridge weight of "the draft/target balance is as profiled" (b = 0) against a
+                    draft slower than profiled (b > 0).
+    faster_draft_prior: λ₋, the same against a draft faster than profiled (b < 0): σ_r²/σ_b² (module
+                    doc, layer 3).
     ratio_clip:     c, each observed/model ratio, and each correction, is clipped to [1/c, c].
     """
 
@@ -259,12 +276,13 @@ class OnlineCostConfig:
     residual_prior: float = 1.0
     device_prior: float = 1e-3
     draft_prior: float = 1e-4
+    faster_draft_prior: float = 0.1
     ratio_clip: float = 4.0
 
     def __post_init__(self):
         if not 0.0 <= self.ema_weight <= 0.1:
             raise ValueError(f"ema_weight must be in [0, 0.1], got {self.ema_weight}")
-        for name in ("residual_prior", "device_prior", "draft_prior"):
+        for name in ("residual_prior", "device_prior", "draft_prior", "faster_draft_prior"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.ratio_clip < 1.0:
@@ -394,14 +412,16 @@ class CostModel:
 
     def _refit(self) -> None:
         """d, b and r_s from the evidence: the ridge least-squares solution of the module doc."""
-        tau, tau0, lam = self.online.residual_prior, self.online.device_prior, self.online.draft_prior
+        tau, tau0 = self.online.residual_prior, self.online.device_prior
         saa = sap = spp = sam = spm = 0.0
         for s, (n, total) in self._evidence.items():
             a, pi, m = n * tau / (n + tau), self.propose_share(*s), total / n  # a_s ≤ τ, π_s, m_s
             saa, sap, spp, sam, spm = saa + a, sap + a * pi, spp + a * pi * pi, sam + a * m, spm + a * pi * m
-        # [Σa + τ₀, Σaπ; Σaπ, Σaπ² + λ] [d; b] = [Σa·m; Σaπ·m]
+        # [Σa + τ₀, Σaπ; Σaπ, Σaπ² + λ] [d; b] = [Σa·m; Σaπ·m]; b's numerator, so its sign, does not depend on λ
+        slope_numerator = (saa + tau0) * spm - sap * sam
+        lam = self.online.draft_prior if slope_numerator >= 0 else self.online.faster_draft_prior
         det = (saa + tau0) * (spp + lam) - sap * sap
         self._log_device = (sam * (spp + lam) - sap * spm) / det
-        self._draft_slope = ((saa + tau0) * spm - sap * sam) / det
+        self._draft_slope = slope_numerator / det
         self._residual = {s: n / (n + tau) * (total / n - self._log_device - self._draft_slope * self.propose_share(*s))
                           for s, (n, total) in self._evidence.items()}

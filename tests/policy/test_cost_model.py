@@ -147,6 +147,34 @@ def test_a_draft_slower_than_profiled_is_not_charged_to_k0():
     assert model.step_time(1, 4, 256) == pytest.approx(actual(1, 4, 256), rel=0.01)  # observed
 
 
+def test_two_nearby_shapes_do_not_tilt_the_slope_onto_k0():
+    """A B = 4 step at k = 1 observed 1.45x its profile twice, k = 3 as profiled three times (a bench's decision
+    log, module doc): a draft "faster than profiled" must not be fitted through the two and extrapolated to k = 0.
+    With the two-sided prior of a slower draft, k = 0 was priced 1.9x its profile, above k = 1's price; with the
+    prior against a faster draft, under 1.3x and below it. The mirror case (k = 3 slow) still reads as a slower
+    draft, and k = 0 stays near its profile."""
+    fn = linear_cost()
+
+    def observed(slow_k, fast_k, **online):
+        model = cost_model(fn, **online)
+        for _ in range(2):
+            model.observe(4, slow_k, 256, seconds=1.45 * fn(4, slow_k, 256))
+        for _ in range(3):
+            model.observe(4, fast_k, 256, seconds=fn(4, fast_k, 256))
+        return model
+
+    symmetric = observed(1, 3, faster_draft_prior=1e-4)
+    assert symmetric.step_time(4, 0, 256) > 1.8 * fn(4, 0, 256)
+    assert symmetric.step_time(4, 0, 256) > symmetric.step_time(4, 1, 256)
+    model = observed(1, 3)
+    assert model.factor(16, 8, 1024) < model.factor(16, 0, 1024)  # never observed: exp(d + b·π), so b < 0
+    assert model.step_time(4, 0, 256) < 1.3 * fn(4, 0, 256)
+    assert model.step_time(4, 0, 256) < model.step_time(4, 1, 256)
+    mirror = observed(3, 1)
+    assert mirror.factor(16, 8, 1024) > mirror.factor(16, 0, 1024)
+    assert mirror.step_time(4, 0, 256) < 1.05 * fn(4, 0, 256)
+
+
 def test_a_shape_that_deviates_on_its_own_keeps_its_residual():
     fn = linear_cost()
     model = cost_model(fn, ema_weight=0.1)
@@ -169,7 +197,7 @@ def test_online_update_is_bounded():
     with pytest.raises(ValueError):
         model.observe(1, 2, 256, seconds=0.0)
     for bad in (dict(ema_weight=0.2), dict(ratio_clip=0.5), dict(residual_prior=0.0), dict(device_prior=-1.0),
-                dict(draft_prior=0.0)):
+                dict(draft_prior=0.0), dict(faster_draft_prior=0.0)):
         with pytest.raises(ValueError):
             OnlineCostConfig(**bad)
 
