@@ -41,8 +41,12 @@ the gain covers the restart.
 
 Cold start: before the proposer has `explore_trials` verified trials, its rate is the uninformed
 prior, and a prior under break-even would keep k = 0 forever, so nothing is ever measured (an
-expensive draft at prior 0.5 does exactly that). Until then every row is evaluated at α = 1:
-speculation is tried for a few steps and the measured rate takes over.
+expensive draft at prior 0.5 does exactly that). Until then every row's first proposal is evaluated
+as accepted (α_1 = 1) and the deeper ones at what is known of them (the prior): speculation is tried
+for a few steps, at the depth that prior prices, and the measured rates take over. Evaluating every
+proposal as accepted made the probe the menu's deepest k, whatever it cost: in the bench's cells the
+cold steps took 4–11 % of goodput's step time at 0.4–1.0 of its tokens per second elsewhere
+(docs/benchmarks.md, "The cold start").
 
 Exploration: every `explore_every`-th decision runs a menu neighbour of the best option instead
 (the next smaller or the next larger k, the side tried first alternating), if its predicted
@@ -191,21 +195,24 @@ class GoodputPolicy(Policy):
 
     def row_rates(self, view: BatchView, k_max: int) -> np.ndarray:
         """[n, k_max] α_i(d) for d = 1..k_max: the chance that row i's d-th proposal is accepted once the ones
-        before it were (1 in the cold start, so speculation is tried; one α_i per request unless positional)."""
+        before it were (the first 1 in the cold start, so speculation is tried; one α_i per request unless
+        positional)."""
         ids = view.request_ids
         if view.proposal_rates:  # the proposer's own confidences, calibrated by what was accepted
             return self.confidence_rates(view, k_max)
-        if self.acceptance.global_trials < self.config.explore_trials:  # cold start: try speculating
-            return np.ones((len(ids), k_max))
         if not self.config.positional:
-            return np.repeat(np.array([self.acceptance.alpha(r) for r in ids])[:, None], k_max, axis=1)
-        rows = []
-        for r in ids:
-            a = self.acceptance.position_alphas(r)
-            if k_max > len(a):
-                a = np.concatenate([a, np.full(k_max - len(a), a[-1])])
-            rows.append(np.clip(a[:k_max], 0.0, 1.0))
-        return np.stack(rows).reshape(len(ids), k_max)
+            rates = np.repeat(np.array([self.acceptance.alpha(r) for r in ids])[:, None], k_max, axis=1)
+        else:
+            rows = []
+            for r in ids:
+                a = self.acceptance.position_alphas(r)
+                if k_max > len(a):
+                    a = np.concatenate([a, np.full(k_max - len(a), a[-1])])
+                rows.append(np.clip(a[:k_max], 0.0, 1.0))
+            rates = np.stack(rows).reshape(len(ids), k_max)  # [n, k_max]
+        if self.acceptance.global_trials < self.config.explore_trials and k_max:  # cold start: try speculating
+            rates[:, 0] = 1.0  # the first proposal as accepted, the deeper ones at what is known of them
+        return rates
 
     def confidence_rates(self, view: BatchView, k_max: int) -> np.ndarray:
         """[n, k_max] min(1, κ_i·cal(conf_i(d))) for the tokens of each row's ready chain, 0 past its end, the

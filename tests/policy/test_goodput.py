@@ -438,10 +438,20 @@ def test_cold_start_tries_speculation_then_trusts_the_measured_rate():
     never = GoodputPolicy(cost_model(costly), AcceptanceTracker(), GoodputConfig(explore_trials=0))
     assert never.choose(view(1)).k == 0  # without exploration nothing would ever be measured
     ks, tracker = _run_cold(0.95, costly)
-    assert ks[0] > 0 and tracker.global_trials >= 8
+    assert ks[0] == 1 and tracker.global_trials >= 8  # the first proposal as accepted, the others at the prior
     assert all(k > 0 for k in ks[5:])  # measured 0.95: it keeps speculating
     ks, _ = _run_cold(0.05, costly)
-    assert ks[0] > 0 and ks[-10:] == [0] * 10  # measured 0.05: it stops after the probe
+    assert ks[0] == 1 and ks[-10:] == [0] * 10  # measured 0.05: it stops after the probe
+
+
+def test_the_cold_start_probes_at_the_depth_its_prior_prices():
+    """The cold start prices the first proposal as accepted and the deeper ones at their prior (0.5): a draft whose
+    steps are dear is probed at k = 1, not at the menu's deepest k (pricing every proposal as accepted chose k = 8:
+    the probe cost 3x a plain step); where deep steps are cheap the probe goes deep."""
+    cheap_deep = linear_cost(step=10e-3, per_token=0.05e-3, draft_step=0.0)
+    firsts = [GoodputPolicy(cost_model(cost), AcceptanceTracker(), GoodputConfig(explore_trials=8, explore_every=0))
+              .choose(view(1)).k for cost in (linear_cost(step=10e-3, draft_step=6e-3), cheap_deep)]
+    assert firsts[0] == 1 and firsts[1] >= 5
 
 
 # prompt lookup on a CPU (issue 46): no draft cost, verification a little dearer per token
