@@ -7,7 +7,10 @@ tokens and seconds (ratios realised / predicted), and the realised goodput (toke
 Then goodput's time outside its priced steps and its prefills, per step: (Σ latency − Σ time to first token −
 Σ step seconds) / steps (host work the price leaves out), the conditional acceptance per position
 P(accept j | 1..j−1 accepted) its steps measured (a missing proposal a rejection), and per policy of the cell the
-totals (fixed policies keep no log): Σ latency, steps, tokens per step.
+totals (fixed policies keep no log): Σ latency, steps, tokens per step. `all_accepted_priced`: the k > 0 steps
+priced as if every proposal would be accepted (the cold start before it priced the first proposal alone so), their
+share of the logged step seconds and their tokens per second against the other steps'. `--json OUT` writes every
+cell's report.
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ def cell_report(cell: list[dict]) -> dict:
     g = by_policy["goodput"]
     per_k = collections.defaultdict(lambda: collections.Counter())
     step_seconds = 0.0
+    optimistic = collections.Counter()  # the k > 0 steps priced with every proposal accepted
     for log in g.get("decision_logs", []):
         for d in log:
+            if d["k"] > 0 and d["predicted_tokens"] is not None and \
+                    abs(d["predicted_tokens"] - (d["k"] + 1) * d["batch"]) < 1e-9:
+                optimistic.update(steps=1, tokens=d["tokens"], seconds=d["seconds"])
             c = per_k[d["k"]]
             c["steps"] += 1
             c["explored"] += int(d["explored"])
@@ -64,23 +71,32 @@ def cell_report(cell: list[dict]) -> dict:
                     trials[j] += 1
                     reached[j] += d["accepted"] >= j
     positions = {j: (reached[j] / trials[j], trials[j]) for j in sorted(trials)}
+    rest_tokens = sum(c["tokens"] for c in per_k.values()) - optimistic["tokens"]
+    rest_seconds = step_seconds - optimistic["seconds"]
+    all_accepted = {"steps": optimistic["steps"],
+                    "seconds_share": optimistic["seconds"] / step_seconds if step_seconds else None,
+                    "tokens_per_s": optimistic["tokens"] / optimistic["seconds"] if optimistic["seconds"] else None,
+                    "others_tokens_per_s": rest_tokens / rest_seconds if rest_seconds else None}
     return {"per_k": ks, "policies": totals, "goodput_outside_steps_per_step_s": unpriced,
-            "acceptance_by_position": positions}
+            "acceptance_by_position": positions, "all_accepted_priced": all_accepted}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("file", type=Path)
+    parser.add_argument("--json", type=Path, help="write every cell's report here")
     args = parser.parse_args(argv)
     data = json.loads(args.file.read_text(encoding="utf-8"))
     key = "rate" if any(r.get("mode") == "open" for r in data["records"]) else "concurrency"
     cells = collections.defaultdict(list)
     for r in data["records"]:
         cells[(r["workload"], r["proposer"], r.get(key))].append(r)
+    reports = []
     for name, cell in cells.items():
         if not any(r["policy"] == "goodput" for r in cell):
             continue
         rep = cell_report(cell)
+        reports.append({"workload": name[0], "proposer": name[1], key: name[2], **rep})
         print(f"== {name}")
         for k, v in rep["per_k"].items():
             print(f"  k={k}: " + ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}"
@@ -92,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
               f"ms per step")
         print("  P(accept j | 1..j-1), trials: " + ", ".join(f"{j}: {a:.2f} ({n})"
                                                               for j, (a, n) in rep["acceptance_by_position"].items()))
+        opt = rep["all_accepted_priced"]
+        if opt["steps"]:
+            print(f"  priced all accepted: {opt['steps']} steps, {100 * opt['seconds_share']:.1f} % of step seconds, "
+                  f"{opt['tokens_per_s']:.0f} tokens/s (other steps {opt['others_tokens_per_s']:.0f})")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"file": str(args.file), "cells": reports}, indent=1), encoding="utf-8")
+        print(f"wrote {args.json}")
     return 0
 
 
