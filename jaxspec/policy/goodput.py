@@ -129,7 +129,9 @@ class GoodputConfig:
     catch_up_horizon: tokens a draft catch-up is amortised over at most (see the module doc).
     catch_up_ema: weight of the newest measurement in the seconds-per-catch-up-call estimate.
     explore_trials: verified trials the proposer needs before its measured rate is trusted
-      (until then rows are evaluated at α = 1, see "Cold start"); 0 = no exploration.
+      (until then the first proposal is evaluated as accepted, see "Cold start"); 0 = no exploration.
+    cold_start: what the cold start evaluates as accepted: "first" (the first proposal; the deeper ones at their
+      prior) or "all" (every proposal: the probe is the menu's deepest k, whatever it costs; the earlier default).
     explore_every: every N-th decision may run a menu neighbour of the best option (see
       "Exploration"); 0 = never.
     explore_margin: ... if the neighbour's predicted goodput is at least (1 − margin) times the best's.
@@ -145,8 +147,11 @@ class GoodputConfig:
     explore_every: int = 16
     explore_margin: float = 0.25
     run_state: bool = True
+    cold_start: str = "first"
 
     def __post_init__(self):
+        if self.cold_start not in ("first", "all"):
+            raise ValueError(f"cold_start must be 'first' or 'all', got {self.cold_start!r}")
         if self.explore_every < 0:
             raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
         if not 0.0 <= self.explore_margin < 1.0:
@@ -211,6 +216,8 @@ class GoodputPolicy(Policy):
                 rows.append(np.clip(a[:k_max], 0.0, 1.0))
             rates = np.stack(rows).reshape(len(ids), k_max)  # [n, k_max]
         if self.acceptance.global_trials < self.config.explore_trials and k_max:  # cold start: try speculating
+            if self.config.cold_start == "all":
+                return np.ones_like(rates)
             rates[:, 0] = 1.0  # the first proposal as accepted, the deeper ones at what is known of them
         return rates
 

@@ -452,6 +452,11 @@ def test_the_cold_start_probes_at_the_depth_its_prior_prices():
     firsts = [GoodputPolicy(cost_model(cost), AcceptanceTracker(), GoodputConfig(explore_trials=8, explore_every=0))
               .choose(view(1)).k for cost in (linear_cost(step=10e-3, draft_step=6e-3), cheap_deep)]
     assert firsts[0] == 1 and firsts[1] >= 5
+    every = GoodputPolicy(cost_model(linear_cost(step=10e-3, draft_step=6e-3)), AcceptanceTracker(),
+                          GoodputConfig(explore_trials=8, explore_every=0, cold_start="all"))
+    assert every.choose(view(1)).k == 8  # every proposal as accepted: the deepest k
+    with pytest.raises(ValueError, match="cold_start"):
+        GoodputConfig(cold_start="none")
 
 
 # prompt lookup on a CPU (issue 46): no draft cost, verification a little dearer per token
