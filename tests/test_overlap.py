@@ -46,6 +46,7 @@ class InFlightProbe:
 class Probed:
     def __init__(self, pending):
         self.pending, self.read = pending, False
+        self.catch_up_s = pending.catch_up_s
 
     def result(self):
         self.read = True

@@ -500,6 +500,44 @@ def test_timings_on_an_injected_clock():
     assert policy.elapsed and all(e == 0.0 for e in policy.elapsed)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_draft_catch_up_is_taken_out_of_the_step_period_it_ran_in(overlap):
+    """A draft's lazy catch-up runs when the next speculating step is dispatched. Overlapped, that dispatch comes
+    before the step in flight is read, so the catch-up lies in that step's period, not its own. A dispatch here
+    takes 0.25 s plus 0.1 s per catch-up call (k alternates 0 and 3, so k = 3 steps after k = 0 steps catch up):
+    what the policy observes must be whole dispatches, never a neighbour's catch-up added (0.45 s) or taken away
+    (0.05 s). Synchronous, every step is observed at exactly 0.25 s."""
+    now = [0.0]
+    engine = fake(accept=1, tracks_context=True)
+    real_step = engine.dispatch_step
+
+    def step(*args, **kwargs):
+        pending = real_step(*args, **kwargs)
+        calls = pending.computed.catch_up_calls
+        pending.computed = dataclasses.replace(pending.computed, catch_up_s=0.1 * calls)
+        now[0] += 0.25 + 0.1 * calls
+        return pending
+
+    engine.dispatch_step = step
+    policy = RecordingPolicy(choice=lambda view: FixedPolicy(3 * (len(policy.views) % 2)).choose(view))
+    seen: list[StepStats] = []
+    sched = Scheduler(engine, policy, clock=lambda: now[0], step_listeners=[seen.append],
+                      config=SchedulerConfig(overlap=overlap))
+    reqs = requests()
+    check_counting(engine, sched.generate_all(reqs), reqs)
+    caught_up = [s for s in seen if s.result.catch_up_calls]
+    assert len(caught_up) >= 3 and len(seen) == sched.steps_run
+    if overlap:  # a period holds the dispatches made in it: whole steps once the catch-up in it is out
+        assert all(abs(e / 0.25 - round(e / 0.25)) < 1e-9 for e in policy.elapsed), policy.elapsed
+        assert any(s.catch_up_s > 0 and s.decision.k == 0 for s in seen)  # the next step's catch-up, taken out
+    else:
+        assert all(e == pytest.approx(0.25) for e in policy.elapsed)
+    placed, ran = sum(s.catch_up_s for s in seen), sum(0.1 * s.result.catch_up_calls for s in seen)
+    # overlapped, a catch-up after a prompt chunk waited for the step in flight lies in no step's period
+    assert placed == pytest.approx(ran) if not overlap else 0 < placed <= ran + 1e-9
+    assert sched.seconds.decode_s == pytest.approx(sum(s.elapsed_s for s in seen))
+
+
 def test_step_listeners_see_every_step_and_cannot_fail_requests():
     now = [0.0]
     engine = fake(accept=2)
@@ -561,6 +599,10 @@ class _TimedStep:
     timeline: _DeviceTimeline
     inner: object
     done_at: float
+
+    @property
+    def catch_up_s(self) -> float:
+        return self.inner.catch_up_s
 
     def result(self):
         self.timeline.now = max(self.timeline.now, self.done_at)

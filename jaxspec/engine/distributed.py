@@ -470,6 +470,10 @@ class LeaderStep:
     local: Any  # the local engine's PendingStep
     done: StepResult | None = None
 
+    @property
+    def catch_up_s(self) -> float:
+        return self.local.catch_up_s
+
     def result(self) -> StepResult:
         if self.done is None:
             self.done = self.engine._run("read_step", {"id": self.step_id}, self.local.result)

@@ -245,6 +245,10 @@ class FakeStep:
     computed: StepResult
     read: bool = False
 
+    @property
+    def catch_up_s(self) -> float:
+        return self.computed.catch_up_s
+
     def result(self) -> StepResult:
         if not self.read:
             self.engine.read_through(self)

@@ -24,7 +24,11 @@ from jaxspec.types import StepResult
 @runtime_checkable
 class PendingStep(Protocol):
     """A dispatched step. `result()` waits for it (the first call) and returns its `StepResult`; later calls
-    return the same value. Reading a step first reads every step its engine dispatched before it."""
+    return the same value. Reading a step first reads every step its engine dispatched before it.
+    `catch_up_s`: the wall seconds of lazy draft catch-up its dispatch ran before the step (known once dispatched;
+    `result().catch_up_s` too): the scheduler places them in time (`Scheduler._read`)."""
+
+    catch_up_s: float
 
     def result(self) -> StepResult:
         """The step's tokens and counts (device errors of the step surface here)."""
@@ -35,6 +39,7 @@ class DoneStep:
 
     def __init__(self, result: StepResult):
         self._result = result
+        self.catch_up_s = result.catch_up_s
 
     def result(self) -> StepResult:
         return self._result

@@ -99,21 +99,25 @@ class StepStats:
 
     view:      what the policy saw.   decision: what it chose.   result: what the engine returned.
     elapsed_s: wall seconds from the step's dispatch, or from the previous step's read if later, to its read,
-               on the scheduler's clock, lazy draft catch-up included (`result.catch_up_s` of them); overlapped,
-               to when it finished if a prompt chunk waited for it (`Scheduler._await_in_flight`: the chunk's
-               time is the prompt's cost, not the step's). Synchronous: the step's own time; overlapped: the
-               loop's period per step (what the step costs the loop).
+               on the scheduler's clock; overlapped, to when it finished if a prompt chunk waited for it
+               (`Scheduler._await_in_flight`: the chunk's time is the prompt's cost, not the step's).
+               Synchronous: the step's own time; overlapped: the loop's period per step (what the step costs
+               the loop).
+    catch_up_s: the lazy draft catch-up that ran inside that period. A dispatch runs its step's catch-up
+               first, and overlapped the next step is dispatched before this one is read, so the catch-up a
+               step reports (`result.catch_up_s`) lies in the period of the step read before it.
     """
 
     view: BatchView
     decision: Decision
     result: StepResult
     elapsed_s: float
+    catch_up_s: float = 0.0
 
     @property
     def executable_s(self) -> float:
-        """The step executable's seconds (catch-up excluded): what the policy observes."""
-        return max(0.0, self.elapsed_s - self.result.catch_up_s)
+        """The step executable's seconds (its period less the catch-up in it): what the policy observes."""
+        return max(0.0, self.elapsed_s - self.catch_up_s)
 
 
 StepListener = Callable[[StepStats], None]
@@ -254,6 +258,7 @@ class Scheduler:
         self._admissions = 0
         self._in_flight: _InFlight | None = None  # overlapped: the step dispatched and not read yet
         self._last_read_at = float("-inf")  # when the last step was read (the overlapped step's start)
+        self._catch_ups: list[tuple[float, float]] = []  # (when its dispatch returned, seconds) not yet placed
         self.seconds = LoopSeconds()
 
     # --- the public contract (any thread) ----------------------------------------------
@@ -670,6 +675,8 @@ class Scheduler:
                                                           "proposals_ahead": self._overlap}
             pending = self.engine.dispatch_step(slots, decision.k,
                                                 list(decision.row_k) if decision.row_k is not None else None, **extra)
+            if pending.catch_up_s > 0:
+                self._catch_ups.append((self.clock(), pending.catch_up_s))
         except PagesExhaustedError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -689,8 +696,10 @@ class Scheduler:
                 self._recover_engine(f"engine step failed: {exc!r}")
             return
         now = self.clock()
-        period = (now if step.ready_at is None else step.ready_at) - max(step.dispatched_at, self._last_read_at)
-        stats = StepStats(step.view, step.decision, result, max(0.0, period))
+        start, end = max(step.dispatched_at, self._last_read_at), now if step.ready_at is None else step.ready_at
+        catch_up = sum(seconds for at, seconds in self._catch_ups if start <= at <= end)
+        self._catch_ups = [(at, seconds) for at, seconds in self._catch_ups if at > now]
+        stats = StepStats(step.view, step.decision, result, max(0.0, end - start), catch_up)
         self._last_read_at = now
         self.steps_run += 1
         self.seconds.decode_steps += 1
