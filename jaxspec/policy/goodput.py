@@ -55,7 +55,12 @@ rows' acceptance get fresh evidence, so estimates that drifted (k = 0 looking be
 faster than its profile, or one k looking cheap because only it was observed) cannot lock the
 policy: goodput is unimodal in k in practice, and a better neighbour, once measured, takes over.
 At most one decision in `explore_every` explores, giving up at most `explore_margin` of the
-predicted goodput. (An explored k = 0 step leaves the draft one more token to catch up.)
+predicted goodput. A neighbour is judged as the one step it runs: with the whole draft catch-up it
+would start, not the share amortised over the tokens a run of such steps enables. Amortised, an
+exploration from k = 0 to k = 1 passed the margin at a fraction of its catch-up, ran it, and went
+back to k = 0 (token draft, c = 4: 29 catch-up calls for 45 k = 1 row-steps in a QA cell, ~10 ms a
+call against ~25 ms steps; docs/benchmarks.md, "Goodput against fixed k, with intervals"). (An
+explored k = 0 step leaves the draft one more token to catch up.)
 
 Token trees: a menu k that runs a tree envelope (`BatchView.trees`) is priced with the tree's own
 expected tokens, E_i = 1 + Σ_{d=1..Z} Π_{j≤d} c_j from `TreeYieldTracker`'s measured per-depth continuation
@@ -160,17 +165,25 @@ class GoodputConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One evaluated menu option: menu k, per-row k_i, Σ E_i(k_i), T, and the shape the step runs at."""
+    """One evaluated menu option: menu k, per-row k_i, Σ E_i(k_i), T, and the shape the step runs at; with
+    catch-up, T carries its amortised share (`catch_up_share_s`) of the whole pending catch-up (`catch_up_s`)."""
 
     k: int
     row_k: tuple[int, ...]
     tokens: float
     seconds: float
     shape: StepShape
+    catch_up_share_s: float = 0.0
+    catch_up_s: float = 0.0
 
     @property
     def goodput(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def one_step_goodput(self) -> float:
+        """Goodput of running this option once: the whole catch-up it starts charged to it."""
+        return self.tokens / (self.seconds - self.catch_up_share_s + self.catch_up_s)
 
 
 class GoodputPolicy(Policy):
@@ -315,8 +328,10 @@ class GoodputPolicy(Policy):
         shapes = self.candidates(view)
         e = self.row_expectations(view, shapes[-1].k)
         opts = [self.allocate(view, e, shape) for shape in shapes]
+        pending = self.catch_up_call_s * sum(view.catch_up_calls)  # the whole catch-up a speculating step runs
         return [o if o.shape.k == 0 else
-                dataclasses.replace(o, seconds=o.seconds + self.catch_up_seconds(view, e, o.row_k))
+                dataclasses.replace(o, seconds=o.seconds + (share := self.catch_up_seconds(view, e, o.row_k)),
+                                    catch_up_share_s=share, catch_up_s=pending)
                 for o in opts]
 
     def pick(self, opts: list[Option]) -> tuple[Option, bool]:
@@ -338,7 +353,7 @@ class GoodputPolicy(Policy):
         turn = self.decisions // every
         floor = (1.0 - self.config.explore_margin) * best.goodput
         for option in ((below, above) if turn % 2 else (above, below)):  # alternate the first side tried
-            if option is not None and option.goodput >= floor:
+            if option is not None and option.one_step_goodput >= floor:
                 self.explored += 1
                 return option, True
         return best, False

@@ -404,6 +404,23 @@ def test_pending_catch_up_is_charged_to_speculation_amortised():
     assert p.choose(_with_catch_up(v, [0] * 4)).k == speculating.k
 
 
+def test_an_exploration_is_charged_the_whole_catch_up_it_starts():
+    """k = 0 is best and k = 1 within the exploration margin, also with its catch-up share amortised (the
+    share a run of k = 1 steps would carry); but an exploration runs one step and pays the whole catch-up of
+    every row (4 calls of 3 ms against a 12 ms step), so it is not worth exploring. Nothing pending: it is."""
+    p = GoodputPolicy(cost_model(), Pinned({i: 0.1 for i in range(4)}),
+                      GoodputConfig(explore_every=1, explore_trials=0))
+    p.catch_up_call_s = 3e-3
+    v = view(4, caps=(8,) * 4)
+    opts = p.options(_with_catch_up(v, [1] * 4))
+    best, one = max(opts, key=lambda o: o.goodput), next(o for o in opts if o.k == 1)
+    assert best.k == 0 and one.goodput >= (1 - p.config.explore_margin) * best.goodput  # amortised: within
+    assert one.catch_up_s == pytest.approx(12e-3) and 0 < one.catch_up_share_s < one.catch_up_s
+    assert one.one_step_goodput < (1 - p.config.explore_margin) * best.goodput
+    assert p.choose(_with_catch_up(v, [1] * 4)).k == 0
+    assert p.choose(_with_catch_up(v, [0] * 4)).k == 1  # explored
+
+
 def test_catch_up_cost_is_learned_from_what_the_engine_reports():
     p = policy([0.5])
     v = _with_catch_up(view(1), [2])
