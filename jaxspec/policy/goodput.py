@@ -58,9 +58,9 @@ At most one decision in `explore_every` explores, giving up at most `explore_mar
 predicted goodput. A neighbour is judged as the one step it runs: with the whole draft catch-up it
 would start, not the share amortised over the tokens a run of such steps enables. Amortised, an
 exploration from k = 0 to k = 1 passed the margin at a fraction of its catch-up, ran it, and went
-back to k = 0 (token draft, c = 4: 29 catch-up calls for 45 k = 1 row-steps in a QA cell, ~10 ms a
-call against ~25 ms steps; docs/benchmarks.md, "Goodput against fixed k, with intervals"). (An
-explored k = 0 step leaves the draft one more token to catch up.)
+back to k = 0 (token draft, c = 4, a QA cell: 29 catch-up calls of ~10 ms against ~25 ms steps for
+16 k = 1 steps, 6 of them explorations; docs/benchmarks.md, "Goodput against fixed k, with
+intervals"). (An explored k = 0 step leaves the draft one more token to catch up.)
 
 Token trees: a menu k that runs a tree envelope (`BatchView.trees`) is priced with the tree's own
 expected tokens, E_i = 1 + Σ_{d=1..Z} Π_{j≤d} c_j from `TreeYieldTracker`'s measured per-depth continuation
