@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from jaxspec.bench.common import write_json
 from jaxspec.policy.registry import load_defaults, make_policy
 from tests.policy.sim import MENU_K, cost_model, linear_cost, run
 
@@ -67,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     result = {"meta": {"command": "python " + " ".join(sys.argv), "seeds": args.seeds, "steps": args.steps},
               "cases": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

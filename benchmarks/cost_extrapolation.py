@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.bench.common import machine
+from jaxspec.bench.common import machine, write_json
 from jaxspec.policy.cost_model import CostModel, CostProfile, OnlineCostConfig
 from jaxspec.policy.registry import load_defaults
 
@@ -118,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                        "profile": str(args.profile),
                        "settings": {n: dataclasses.asdict(s) for n, s in settings.items()}},
               "cells": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

@@ -12,14 +12,13 @@ median and mean milliseconds per kind of step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from jaxspec.bench.common import machine
+from jaxspec.bench.common import machine, write_json
 from jaxspec.engine.api import prefill_prompt
 from jaxspec.engine.build import build_engine
 from jaxspec.menu import Menu
@@ -68,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"meta": {"command": "python " + " ".join(sys.argv), "machine": machine(),
                        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "rounds": args.rounds},
               "steps": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

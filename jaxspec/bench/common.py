@@ -22,6 +22,17 @@ def machine() -> str:
             f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
 
 
+def write_json(path, data: dict) -> None:
+    """Write a benchmark's result as indented JSON (its folder made), and say where."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    print(f"wrote {path}")
+
+
 def measured_bandwidth_gbs(arrays, repeats: int = 10) -> float:
     """Read bandwidth (GB/s) of summing `arrays` once — the bytes a decode step must stream."""
     total = sum(a.size * a.dtype.itemsize for a in arrays)
