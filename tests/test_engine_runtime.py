@@ -127,14 +127,14 @@ def test_engine_and_goodput_agree_on_the_shape_of_every_step(engine, monkeypatch
     it): a long row capped at 0 does not push a short row's k = 3 step into the larger window."""
     from jaxspec.policy.acceptance import AcceptanceTracker
     from jaxspec.policy.base import BatchView
-    from jaxspec.policy.goodput import GoodputPolicy
+    from jaxspec.policy.goodput import GoodputConfig, GoodputPolicy
     from tests.policy.sim import linear_cost, synthetic_cost_model
 
     prompts = random_prompts((61, 8), TINY.vocab_size, seed=7)
     slots = [0, 1]
     _prefilled(engine, prompts, slots)
     cost = synthetic_cost_model(linear_cost(), CONFIG.batch_buckets, CONFIG.k_menu, CONFIG.window_buckets)
-    policy = GoodputPolicy(cost, AcceptanceTracker())  # cold start: it speculates
+    policy = GoodputPolicy(cost, AcceptanceTracker(), GoodputConfig(cold_start="all"))  # cold start at the deepest k
     filed, observe = [], cost.observe
     monkeypatch.setattr(cost, "observe", lambda b, k, w, *a, **kw: filed.append(StepKey(b, k, w)) or observe(
         b, k, w, *a, **kw))
