@@ -41,10 +41,10 @@ Three layers, each deterministic (no clock is read here):
    rests on d alone, extrapolated to π = 0 when goodput speculates. A slope fitted through a few
    noisy shapes extrapolates far: two shapes with nearby π (a B = 4 step at k = 1 observed 1.45×
    its profile, k = 3 as profiled) gave d = 0.88, b = −1.9 and priced the never-run k = 0 at
-   2.2× its cost, so goodput speculated where `none` was faster (a bench's decision log,
-   docs/benchmarks.md, "The draft slope"). A negative slope overprices k = 0, a positive one
-   underprices it: the one-sided prior errs toward the plain step, the option goodput promises
-   never to lose to.
+   2.2× its cost, so goodput speculated where `none` was faster (a bench's decision log;
+   docs/benchmarks.md, "Goodput against fixed k, with intervals": the draft slope). A negative
+   slope overprices k = 0, a positive one underprices it: the one-sided prior errs toward the
+   plain step, the option goodput promises never to lose to.
 
 The shape of a step (its padded k and attention window from per-row lengths and caps) is
 decided by `jaxspec.menu.step_shape`, the function the engine runs steps with.

@@ -44,9 +44,9 @@ prior, and a prior under break-even would keep k = 0 forever, so nothing is ever
 expensive draft at prior 0.5 does exactly that). Until then every row's first proposal is evaluated
 as accepted (α_1 = 1) and the deeper ones at what is known of them (the prior): speculation is tried
 for a few steps, at the depth that prior prices, and the measured rates take over. Evaluating every
-proposal as accepted made the probe the menu's deepest k, whatever it cost: in the bench's cells the
-cold steps took 4–11 % of goodput's step time at 0.4–1.0 of its tokens per second elsewhere
-(docs/benchmarks.md, "The cold start").
+proposal as accepted made the probe the menu's deepest k, whatever it cost: in 13 bench cells the
+cold steps took 4–11 % of goodput's step time, at 0.39–0.98× its tokens per second elsewhere in 10
+of them (docs/benchmarks.md, "Goodput against fixed k, with intervals": the cold start).
 
 Exploration: every `explore_every`-th decision runs a menu neighbour of the best option instead
 (the next smaller or the next larger k, the side tried first alternating), if its predicted
