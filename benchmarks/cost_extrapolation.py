@@ -1,14 +1,16 @@
 """What goodput's cost model charged for the plain step (k = 0) while it speculated, against what the plain step cost.
 
     python -m benchmarks.cost_extrapolation docs/results/goodput/intervals_draft_tree.json --proposer draft \
-        --profile docs/results/goodput/cost_profile_draft.json --variant symmetric:faster_draft_prior=1e-4 \
-        --json docs/results/goodput/cost_extrapolation_draft.json
+        --profile docs/results/goodput/cost_profile_draft.json \
+        --variant two_sided_weak:cost_online.faster_draft_prior=0.0001 \
+        --json docs/results/goodput/cost_extrapolation_draft_tree.json
 
 A policy that speculates seldom runs k = 0, so the cost model prices it from the shared correction of the shapes it
 does run (jaxspec/policy/cost_model.py, layer 3): at π = 0, the device factor alone. This replays the step times
 of every goodput cell of one proposer in a bench file written with `--decision-log` through a fresh `CostModel` from
 the profile the bench used, once per setting of the online correction (the shipped one from
-jaxspec/configs/policy.yaml, and each `--variant NAME:key=value,...` of `OnlineCostConfig`), fresh for each
+jaxspec/configs/policy.yaml, and each `--variant NAME:cost_online.key=value,...`, as `goodput_replay` takes
+them), fresh for each
 decision log (one per repeat, as the bench's policy is). Before each observation it prices the k = 0 step at the
 cell's batch bucket (the bucket of its concurrency). Reported per cell and setting: that price's mean over the
 decisions, over the plain step the same cell's `none` policy ran (its decode seconds over its decode steps, rows
@@ -28,24 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.goodput_replay import parse_variant
 from jaxspec.bench.common import machine, write_json
 from jaxspec.policy.cost_model import CostModel, CostProfile, OnlineCostConfig
 from jaxspec.policy.registry import load_defaults
-
-
-def parse_variant(text: str) -> tuple[str, dict[str, float]]:
-    """`NAME:key=value,...` -> (NAME, {key: value}) over `OnlineCostConfig`'s fields."""
-    name, _, assignments = text.partition(":")
-    fields = {f.name for f in dataclasses.fields(OnlineCostConfig)}
-    values = {}
-    for item in filter(None, assignments.split(",")):
-        key, _, value = item.partition("=")
-        if key not in fields:
-            raise SystemExit(f"--variant {text!r}: {key!r} is not one of {sorted(fields)}")
-        values[key] = float(value)
-    if not name or not values:
-        raise SystemExit(f"--variant {text!r}: expected NAME:key=value,...")
-    return name, values
 
 
 def k0_prices(profile: CostProfile, online: OnlineCostConfig, logs: list[list[dict]], bucket: int) -> list[float]:
@@ -96,17 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("bench", type=Path, help="a `jaxspec bench --decision-log` JSON")
     parser.add_argument("--proposer", required=True, help="the bench's proposer whose cells to replay")
     parser.add_argument("--profile", type=Path, required=True, help="the cost profile that proposer's goodput used")
-    parser.add_argument("--variant", action="append", default=[], help="NAME:key=value,... of OnlineCostConfig")
+    parser.add_argument("--variant", action="append", default=[], help="NAME:cost_online.key=value,... (policy.yaml)")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     profile = CostProfile.load(args.profile)
     if len(profile.key.window_buckets) != 1 or profile.real_token_s:
         raise SystemExit(f"{args.profile}: needs one attention window and no real-token price (module doc)")
-    shipped = load_defaults().cost_online
-    settings = {"shipped": shipped}
+    defaults = load_defaults()
+    settings = {"shipped": defaults.cost_online}
     for text in args.variant:
-        name, values = parse_variant(text)
-        settings[name] = dataclasses.replace(shipped, **values)
+        name, changes = parse_variant(text)
+        if set(changes) != {"cost_online"}:
+            raise SystemExit(f"--variant {text!r}: only cost_online.* settings change the cost model")
+        settings[name] = dataclasses.replace(defaults.cost_online, **changes["cost_online"])
     bench = json.loads(args.bench.read_text(encoding="utf-8"))
     rows = cell_reports(bench, args.proposer, profile, settings)
     for row in rows:

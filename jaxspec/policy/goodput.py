@@ -165,16 +165,15 @@ class GoodputConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One evaluated menu option: menu k, per-row k_i, Σ E_i(k_i), T, and the shape the step runs at; with
-    catch-up, T carries its amortised share (`catch_up_share_s`) of the whole pending catch-up (`catch_up_s`)."""
+    """One evaluated menu option: menu k, per-row k_i, Σ E_i(k_i), T, and the shape the step runs at. With draft
+    catch-up pending, T carries an amortised share of it; `unamortised_s` is the rest, which one step alone pays."""
 
     k: int
     row_k: tuple[int, ...]
     tokens: float
     seconds: float
     shape: StepShape
-    catch_up_share_s: float = 0.0
-    catch_up_s: float = 0.0
+    unamortised_s: float = 0.0
 
     @property
     def goodput(self) -> float:
@@ -183,7 +182,7 @@ class Option:
     @property
     def one_step_goodput(self) -> float:
         """Goodput of running this option once: the whole catch-up it starts charged to it."""
-        return self.tokens / (self.seconds - self.catch_up_share_s + self.catch_up_s)
+        return self.tokens / (self.seconds + self.unamortised_s)
 
 
 class GoodputPolicy(Policy):
@@ -218,6 +217,9 @@ class GoodputPolicy(Policy):
         ids = view.request_ids
         if view.proposal_rates:  # the proposer's own confidences, calibrated by what was accepted
             return self.confidence_rates(view, k_max)
+        cold = self.acceptance.global_trials < self.config.explore_trials  # cold start: try speculating
+        if cold and self.config.cold_start == "all":
+            return np.ones((len(ids), k_max))
         if not self.config.positional:
             rates = np.repeat(np.array([self.acceptance.alpha(r) for r in ids])[:, None], k_max, axis=1)
         else:
@@ -228,9 +230,7 @@ class GoodputPolicy(Policy):
                     a = np.concatenate([a, np.full(k_max - len(a), a[-1])])
                 rows.append(np.clip(a[:k_max], 0.0, 1.0))
             rates = np.stack(rows).reshape(len(ids), k_max)  # [n, k_max]
-        if self.acceptance.global_trials < self.config.explore_trials and k_max:  # cold start: try speculating
-            if self.config.cold_start == "all":
-                return np.ones_like(rates)
+        if cold and k_max:
             rates[:, 0] = 1.0  # the first proposal as accepted, the deeper ones at what is known of them
         return rates
 
@@ -331,7 +331,7 @@ class GoodputPolicy(Policy):
         pending = self.catch_up_call_s * sum(view.catch_up_calls)  # the whole catch-up a speculating step runs
         return [o if o.shape.k == 0 else
                 dataclasses.replace(o, seconds=o.seconds + (share := self.catch_up_seconds(view, e, o.row_k)),
-                                    catch_up_share_s=share, catch_up_s=pending)
+                                    unamortised_s=pending - share)
                 for o in opts]
 
     def pick(self, opts: list[Option]) -> tuple[Option, bool]:

@@ -415,7 +415,9 @@ def test_an_exploration_is_charged_the_whole_catch_up_it_starts():
     opts = p.options(_with_catch_up(v, [1] * 4))
     best, one = max(opts, key=lambda o: o.goodput), next(o for o in opts if o.k == 1)
     assert best.k == 0 and one.goodput >= (1 - p.config.explore_margin) * best.goodput  # amortised: within
-    assert one.catch_up_s == pytest.approx(12e-3) and 0 < one.catch_up_share_s < one.catch_up_s
+    synced = next(o for o in p.options(_with_catch_up(v, [0] * 4)) if o.k == 1)
+    share = one.seconds - synced.seconds  # the amortised share in its price
+    assert 0 < share < 12e-3 and share + one.unamortised_s == pytest.approx(12e-3)  # the rest: one step pays it
     assert one.one_step_goodput < (1 - p.config.explore_margin) * best.goodput
     assert p.choose(_with_catch_up(v, [1] * 4)).k == 0
     assert p.choose(_with_catch_up(v, [0] * 4)).k == 1  # explored
