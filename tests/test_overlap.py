@@ -96,6 +96,77 @@ def test_fake_engine_overlapped_equals_synchronous(k, accept):
                        FinishReason.LENGTH, FinishReason.LENGTH]
 
 
+class BatchProbe:
+    """Records each dispatched step's rows and per-row caps."""
+
+    def __init__(self, engine):
+        self.rows: list[int] = []
+        self.caps: list[tuple[int, ...]] = []
+        real = engine.dispatch_step
+
+        def dispatch_step(slots, k, row_k=None, **kwargs):
+            self.rows.append(len(slots))
+            self.caps.append(tuple(row_k) if row_k is not None else (k,) * len(slots))
+            return real(slots, k, row_k, **kwargs)
+
+        engine.dispatch_step = dispatch_step
+
+
+def test_a_row_near_its_end_joins_every_step_whatever_the_menu():
+    """Overlapped, a row in the step in flight joins the next step while it still wants a token after that step's
+    most tokens: at k = 0 a menu compiled up to k = 3 runs the same steps, each holding every running row, as a
+    menu of k = 0 alone (no row sits out a step for the menu's largest k)."""
+    lengths = (12, 18, 24, 30)  # staggered ends: the others still run while one nears its end
+    requests = [Request(f"r{i}", [4 + i], SamplingParams(max_tokens=n, ignore_eos=True))
+                for i, n in enumerate(lengths)]
+    runs = {}
+    for k_menu in ((0,), (0, 3)):
+        engine = FakeEngine(MENU.with_k_menu(k_menu), vocab_size=64)
+        engine.warmup()
+        probe = BatchProbe(engine)
+        sched = Scheduler(engine, FixedPolicy(0), config=OVERLAP)
+        results = sched.generate_all(requests)
+        assert [r.token_ids for r in results] == [tuple(engine.expected_output(r.prompt_token_ids, n))
+                                                  for r, n in zip(requests, lengths)]
+        runs[k_menu] = probe.rows
+    # one step per token after the prefill's, each holding every request not yet finished
+    assert runs[(0,)] == [4] * 11 + [3] * 6 + [2] * 6 + [1] * 6
+    assert runs[(0, 3)] == runs[(0,)]
+
+
+class BatchDependentFixed(FixedPolicy):
+    """fixed:K standing in for a policy whose choice depends on the live batch (goodput): no exact caps."""
+
+    def exact_caps_k(self, k_menu: tuple[int, ...]) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("policy, in_flight_at_dispatch", [(FixedPolicy(3), [0, 1, 0]),
+                                                           (BatchDependentFixed(3), [0, 1, 1])])
+def test_a_row_in_flight_is_capped_by_what_the_step_in_flight_may_commit(policy, in_flight_at_dispatch):
+    """At k = 3 with every proposal accepted, a 10-token request: no row ever verifies more proposals than the
+    tokens it may still want after its bonus token, whatever the step in flight commits, and the output is the
+    synchronous loop's. Under fixed:K (exact caps) the row sits out the step whose cap the step in flight could
+    lower, as the synchronous loop runs it; under a batch-dependent policy it joins it with its cap from the
+    bound (0: 1 + 4 + 4 tokens may be committed by then)."""
+    request = Request("r", [4], SamplingParams(max_tokens=10, ignore_eos=True))
+    outputs = {}
+    for config in (SYNC, OVERLAP):
+        engine = FakeEngine(MENU, vocab_size=64, accept=5)
+        engine.warmup()
+        in_flight, batches = InFlightProbe(engine), BatchProbe(engine)
+        outputs[config.overlap] = Scheduler(engine, policy, config=config).generate_all([request])[0]
+        caps = [c[0] for c in batches.caps]
+        committed = 1  # the prefill's token
+        for cap in caps:  # every proposal accepted: a step commits cap + 1
+            assert cap <= max(0, 10 - committed - 1)
+            committed += cap + 1
+        assert caps == [3, 3, 0]
+        assert in_flight.seen == (in_flight_at_dispatch if config.overlap else [0, 0, 0])
+    assert outputs[True].token_ids == outputs[False].token_ids
+    assert len(outputs[True].token_ids) == 10
+
+
 def test_a_row_finishing_in_step_n_has_its_step_n1_tokens_discarded():
     """EOS in step n: step n+1 (dispatched already) ran for the row too; none of its tokens reach the request,
     the policy forgets the request, and the slot serves the next request from scratch."""

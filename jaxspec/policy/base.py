@@ -83,11 +83,19 @@ class Policy:
     def forget(self, request_id: Hashable) -> None:
         """A request finished; drop its per-request state."""
 
+    def exact_caps_k(self, k_menu: tuple[int, ...]) -> int:
+        """Up to which k a row's cap must be the synchronous loop's for this policy's tokens to be reproducible:
+        the k it gives every row when its choice follows from no live state (`none`, `fixed:K`: a seeded request
+        then gives the same tokens in any batch, overlapped or not); 0 for a policy whose choice depends on the
+        live batch anyway. The overlapped loop holds a row out of a step while the step in flight could change
+        its cap below this k (docs/design.md, "The overlapped loop")."""
+        return 0
 
-def menu_at_most(k: int, view: BatchView) -> int:
+
+def menu_at_most(k: int, k_menu: tuple[int, ...]) -> int:
     """The largest menu value ≤ k."""
-    allowed = [m for m in view.k_menu if m <= k]
-    return allowed[-1] if allowed else view.k_menu[0]
+    allowed = [m for m in k_menu if m <= k]
+    return allowed[-1] if allowed else k_menu[0]
 
 
 def row_caps(k: int, view: BatchView) -> tuple[int, ...]:

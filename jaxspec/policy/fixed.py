@@ -24,5 +24,8 @@ class FixedPolicy(Policy):
         self.name = f"fixed:{k}"
 
     def choose(self, view: BatchView) -> Decision:
-        k = menu_at_most(self.k, view)
+        k = menu_at_most(self.k, view.k_menu)
         return Decision(k=k, row_k=row_caps(k, view))
+
+    def exact_caps_k(self, k_menu: tuple[int, ...]) -> int:
+        return menu_at_most(self.k, k_menu)

@@ -57,7 +57,7 @@ class TablePolicy(Policy):
         return self.table[max(n for n in self.table if n <= batch_size)]
 
     def choose(self, view: BatchView) -> Decision:
-        k = menu_at_most(self.k_for(view.batch_size), view)
+        k = menu_at_most(self.k_for(view.batch_size), view.k_menu)
         return Decision(k=k, row_k=row_caps(k, view))  # a row near its limits speculates less, not the batch
 
     def observe(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float) -> None:

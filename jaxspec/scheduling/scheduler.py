@@ -508,11 +508,11 @@ class Scheduler:
         """What the policy sees of `rows`, and each row's cache room (the largest k it can verify)."""
         engine = self.engine
         slots = [r.slot for r in rows]
-        room = [engine.room(s) for s in slots]
+        room = [engine.room(s) for s in slots]  # from the length bound: after `previous` commits its most tokens
+        held = {} if previous is None else {id(live): i for i, live in enumerate(previous.rows)}
         rates, assumed = (), ()
         if self.suffix_index is not None:  # each row's chain, ready for the step, and its confidence
             k_max = max(engine.menu.k_menu)
-            held = {} if previous is None else {id(live): i for i, live in enumerate(previous.rows)}
             self._chains, self._guesses, assumed_rates = [], [], []
             for r in rows:
                 i = held.get(id(r))
@@ -529,7 +529,8 @@ class Scheduler:
             request_ids=tuple(r.request_id for r in rows),
             context_lens=tuple(engine.length(s) for s in slots),
             # no more proposals than the cache holds, nor than tokens still wanted after the bonus one
-            row_max_k=tuple(max(0, min(c, r.output.remaining - 1)) for r, c in zip(rows, room)),
+            row_max_k=tuple(max(0, min(c, self._wanted(r, previous, held.get(id(r))) - 1))
+                            for r, c in zip(rows, room)),
             k_menu=engine.menu.k_menu,
             batch_bucket=engine.menu.batch_bucket(len(rows)),
             catch_up_calls=tuple(len(engine.catch_up_plan(s)) for s in slots),
@@ -613,21 +614,22 @@ class Scheduler:
 
     def _dispatchable(self, previous: _InFlight | None) -> list[_Live]:
         """Running rows, by slot, that may join the next step while `previous` is unread: a row not in it, or one
-        whose cap no outcome of it can change (room and tokens wanted after its most tokens leave at least the
-        menu's largest k). The others sit this step out and join the one after, with their counts read."""
+        that still wants a token after `previous` commits its most tokens, its cap in the step then set from that
+        bound (`_view`). A policy whose caps must be the synchronous loop's (`Policy.exact_caps_k`) also needs
+        room and tokens wanted after that bound to leave its k. The others sit this step out and join the one
+        after, with their counts read."""
         running = sorted((r for r in self._slots.values() if r.running), key=lambda r: r.slot)
         if previous is None:
             return running
         held = {id(live): i for i, live in enumerate(previous.rows)}
-        largest_k = self.engine.menu.max_k
-        rows = []
-        for live in running:
-            i = held.get(id(live))
-            # after `previous`, at least remaining - (cap + 1) tokens are still wanted; room is from the bound
-            if i is None or min(self.engine.room(live.slot),
-                                live.output.remaining - previous.cap(i) - 2) >= largest_k:
-                rows.append(live)
-        return rows
+        exact_k = self.policy.exact_caps_k(self.engine.menu.k_menu)
+        return [live for live in running if (i := held.get(id(live))) is None
+                or min(self.engine.room(live.slot), self._wanted(live, previous, i) - 1) >= exact_k]
+
+    @staticmethod
+    def _wanted(live: _Live, previous: _InFlight | None, i: int | None) -> int:
+        """Tokens `live` still wants after `previous` (where it is row i) commits its most tokens, cap + 1."""
+        return live.output.remaining - (0 if i is None else previous.cap(i) + 1)
 
     def _dispatch(self, rows: list[_Live], previous: _InFlight | None = None) -> _InFlight | None:
         """policy.choose then engine.dispatch_step for `rows`; when the page pool cannot take the step, the
