@@ -97,41 +97,21 @@ def test_fake_engine_overlapped_equals_synchronous(k, accept):
 
 
 class BatchProbe:
-    """Records each dispatched step's rows and per-row caps."""
+    """Records each dispatched step's slots and per-row caps."""
 
     def __init__(self, engine):
-        self.rows: list[int] = []
-        self.caps: list[tuple[int, ...]] = []
+        self.steps: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         real = engine.dispatch_step
 
         def dispatch_step(slots, k, row_k=None, **kwargs):
-            self.rows.append(len(slots))
-            self.caps.append(tuple(row_k) if row_k is not None else (k,) * len(slots))
+            self.steps.append((tuple(slots), tuple(row_k) if row_k is not None else (k,) * len(slots)))
             return real(slots, k, row_k, **kwargs)
 
         engine.dispatch_step = dispatch_step
 
-
-def test_a_row_near_its_end_joins_every_step_whatever_the_menu():
-    """Overlapped, a row in the step in flight joins the next step while it still wants a token after that step's
-    most tokens: at k = 0 a menu compiled up to k = 3 runs the same steps, each holding every running row, as a
-    menu of k = 0 alone (no row sits out a step for the menu's largest k)."""
-    lengths = (12, 18, 24, 30)  # staggered ends: the others still run while one nears its end
-    requests = [Request(f"r{i}", [4 + i], SamplingParams(max_tokens=n, ignore_eos=True))
-                for i, n in enumerate(lengths)]
-    runs = {}
-    for k_menu in ((0,), (0, 3)):
-        engine = FakeEngine(MENU.with_k_menu(k_menu), vocab_size=64)
-        engine.warmup()
-        probe = BatchProbe(engine)
-        sched = Scheduler(engine, FixedPolicy(0), config=OVERLAP)
-        results = sched.generate_all(requests)
-        assert [r.token_ids for r in results] == [tuple(engine.expected_output(r.prompt_token_ids, n))
-                                                  for r, n in zip(requests, lengths)]
-        runs[k_menu] = probe.rows
-    # one step per token after the prefill's, each holding every request not yet finished
-    assert runs[(0,)] == [4] * 11 + [3] * 6 + [2] * 6 + [1] * 6
-    assert runs[(0, 3)] == runs[(0,)]
+    @property
+    def rows(self) -> list[int]:
+        return [len(slots) for slots, _ in self.steps]
 
 
 class BatchDependentFixed(FixedPolicy):
@@ -141,30 +121,38 @@ class BatchDependentFixed(FixedPolicy):
         return 0
 
 
-@pytest.mark.parametrize("policy, in_flight_at_dispatch", [(FixedPolicy(3), [0, 1, 0]),
-                                                           (BatchDependentFixed(3), [0, 1, 1])])
-def test_a_row_in_flight_is_capped_by_what_the_step_in_flight_may_commit(policy, in_flight_at_dispatch):
-    """At k = 3 with every proposal accepted, a 10-token request: no row ever verifies more proposals than the
-    tokens it may still want after its bonus token, whatever the step in flight commits, and the output is the
-    synchronous loop's. Under fixed:K (exact caps) the row sits out the step whose cap the step in flight could
-    lower, as the synchronous loop runs it; under a batch-dependent policy it joins it with its cap from the
-    bound (0: 1 + 4 + 4 tokens may be committed by then)."""
-    request = Request("r", [4], SamplingParams(max_tokens=10, ignore_eos=True))
+# a 10-token request (slot 0) beside a 24-token one (slot 1), k = 3, every proposal accepted
+SYNC_STEPS = [((0, 1), (3, 3)), ((0, 1), (3, 3)), ((0, 1), (0, 3)), ((1,), (3,)), ((1,), (3,)), ((1,), (2,))]
+
+
+@pytest.mark.parametrize("policy, overlapped_steps", [
+    # fixed:K keeps the synchronous loop's caps: the short row sits out the step its bound would lower
+    (FixedPolicy(3), SYNC_STEPS[:2] + [((1,), (3,)), ((0, 1), (0, 3))] + SYNC_STEPS[4:]),
+    # a batch-dependent policy: the short row joins it with its cap from the bound (1 + 4 + 4 of 10 committed)
+    (BatchDependentFixed(3), SYNC_STEPS),
+])
+def test_a_row_in_flight_is_capped_by_what_the_step_in_flight_may_commit(policy, overlapped_steps):
+    """Every proposal accepted: no row ever verifies more proposals than the tokens it may still want after its
+    bonus token, whatever the step in flight commits, and the output is the synchronous loop's. Overlapped, every
+    step but the first and the last is dispatched with the one before it unread; the last waits for it, because
+    its one row's cap would be lowered by the bound (it reads the counts instead)."""
+    requests = [Request("short", [4], SamplingParams(max_tokens=10, ignore_eos=True)),
+                Request("long", [5], SamplingParams(max_tokens=24, ignore_eos=True))]
     outputs = {}
     for config in (SYNC, OVERLAP):
         engine = FakeEngine(MENU, vocab_size=64, accept=5)
         engine.warmup()
         in_flight, batches = InFlightProbe(engine), BatchProbe(engine)
-        outputs[config.overlap] = Scheduler(engine, policy, config=config).generate_all([request])[0]
-        caps = [c[0] for c in batches.caps]
-        committed = 1  # the prefill's token
-        for cap in caps:  # every proposal accepted: a step commits cap + 1
-            assert cap <= max(0, 10 - committed - 1)
-            committed += cap + 1
-        assert caps == [3, 3, 0]
-        assert in_flight.seen == (in_flight_at_dispatch if config.overlap else [0, 0, 0])
-    assert outputs[True].token_ids == outputs[False].token_ids
-    assert len(outputs[True].token_ids) == 10
+        outputs[config.overlap] = Scheduler(engine, policy, config=config).generate_all(requests)
+        committed, wanted = {0: 1, 1: 1}, {0: 10, 1: 24}  # the prefill's token each
+        for slots, caps in batches.steps:
+            for slot, cap in zip(slots, caps):
+                assert cap <= max(0, wanted[slot] - committed[slot] - 1)
+                committed[slot] += cap + 1  # every proposal accepted
+        assert committed == wanted
+        assert batches.steps == (overlapped_steps if config.overlap else SYNC_STEPS)
+        assert in_flight.seen == ([0, 1, 1, 1, 1, 0] if config.overlap else [0] * 6)
+    assert [r.token_ids for r in outputs[True]] == [r.token_ids for r in outputs[False]]
 
 
 def test_a_row_finishing_in_step_n_has_its_step_n1_tokens_discarded():

@@ -615,16 +615,26 @@ class Scheduler:
     def _dispatchable(self, previous: _InFlight | None) -> list[_Live]:
         """Running rows, by slot, that may join the next step while `previous` is unread: a row not in it, or one
         that still wants a token after `previous` commits its most tokens, its cap in the step then set from that
-        bound (`_view`). A policy whose caps must be the synchronous loop's (`Policy.exact_caps_k`) also needs
-        room and tokens wanted after that bound to leave its k. The others sit this step out and join the one
-        after, with their counts read."""
+        bound (`_view`). A policy whose caps must be the synchronous loop's (`Policy.exact_caps_k`) also needs the
+        bound to leave its k; a row that fails either sits this step out and joins the one after, with its counts
+        read. When the bound would lower every row's cap below the menu's largest k, none joins: the loop reads
+        `previous` first (the step then runs with the caps the counts give, and only its overlap is lost)."""
         running = sorted((r for r in self._slots.values() if r.running), key=lambda r: r.slot)
         if previous is None:
             return running
         held = {id(live): i for i, live in enumerate(previous.rows)}
-        exact_k = self.policy.exact_caps_k(self.engine.menu.k_menu)
-        return [live for live in running if (i := held.get(id(live))) is None
-                or min(self.engine.room(live.slot), self._wanted(live, previous, i) - 1) >= exact_k]
+        exact_k, largest_k = self.policy.exact_caps_k(self.engine.menu.k_menu), self.engine.menu.max_k
+        rows, lowered = [], 0
+        for live in running:
+            i = held.get(id(live))
+            if i is None:
+                rows.append(live)
+                continue
+            bound_cap = min(self.engine.room(live.slot), self._wanted(live, previous, i) - 1)
+            if bound_cap >= max(exact_k, 0):
+                rows.append(live)
+                lowered += bound_cap < largest_k
+        return rows if lowered < len(rows) else []
 
     @staticmethod
     def _wanted(live: _Live, previous: _InFlight | None, i: int | None) -> int:
