@@ -43,7 +43,10 @@ Cold start: before the proposer has `explore_trials` verified trials, its rate i
 prior, and a prior under break-even would keep k = 0 forever, so nothing is ever measured (an
 expensive draft at prior 0.5 does exactly that). Until then every row's first proposal is evaluated
 as accepted (α_1 = 1) and the deeper ones at what is known of them (the prior): speculation is tried
-for a few steps, at the depth that prior prices, and the measured rates take over. Evaluating every
+for a few steps, at the depth that prior prices, and the measured rates take over. The trials of
+the steps in flight count as if observed (each row that verifies a proposal gives at least one), so
+the overlapped loop, which chooses a step before it observes the one before, does not buy another
+probe for evidence already on its way. Evaluating every
 proposal as accepted made the probe the menu's deepest k, whatever it cost: in 13 bench cells the
 cold steps took 4–11 % of goodput's step time, at 0.39–0.98× its tokens per second elsewhere in 10
 of them (docs/benchmarks.md, "Goodput against fixed k, with intervals": the cold start).
@@ -201,9 +204,9 @@ class GoodputPolicy(Policy):
         self.runs = RunState(self.trees.config)  # the first proposal by how the step before ended
         self.config = config
         self.log = DecisionLog(config.log_size)
-        # decisions chosen but not yet observed, with their option and whether it explored (the overlapped loop
-        # chooses step t+1 before it observes step t)
-        self._pending: collections.deque[tuple[Decision, Option, bool]] = collections.deque(maxlen=8)
+        # decisions chosen but not yet observed, with their option, whether it explored and the chain trials it
+        # will give (the overlapped loop chooses step t+1 before it observes step t)
+        self._pending: collections.deque[tuple[Decision, Option, bool, int]] = collections.deque(maxlen=8)
         self.catch_up_call_s = 0.0  # measured seconds per draft catch-up call (EMA)
         self.decisions = 0  # choose() calls so far (the exploration schedule)
         self.explored = 0  # decisions that ran an exploration option
@@ -217,7 +220,8 @@ class GoodputPolicy(Policy):
         ids = view.request_ids
         if view.proposal_rates:  # the proposer's own confidences, calibrated by what was accepted
             return self.confidence_rates(view, k_max)
-        cold = self.acceptance.global_trials < self.config.explore_trials  # cold start: try speculating
+        # cold start: try speculating, until the trials observed and those the steps in flight will give suffice
+        cold = self.acceptance.global_trials + sum(p[3] for p in self._pending) < self.config.explore_trials
         if cold and self.config.cold_start == "all":
             return np.ones((len(ids), k_max))
         if not self.config.positional:
@@ -370,7 +374,9 @@ class GoodputPolicy(Policy):
         opts = self.options(view)
         option, explored = self.pick(opts)
         decision = self.decision(option, opts)
-        self._pending.append((decision, option, explored))
+        # every row verifying a chain proposal gives at least one trial (a tree's steps feed `trees`, not chains)
+        trials = 0 if view.tree_at(option.shape.k) is not None else sum(1 for c in option.row_k if c > 0)
+        self._pending.append((decision, option, explored, trials))
         return decision
 
     def observe(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float) -> None:
