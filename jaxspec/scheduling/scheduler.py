@@ -631,7 +631,7 @@ class Scheduler:
                 rows.append(live)
                 continue
             bound_cap = min(self.engine.room(live.slot), self._wanted(live, previous, i) - 1)
-            if bound_cap >= max(exact_k, 0):
+            if bound_cap >= exact_k:  # (>= 0: it still wants a token)
                 rows.append(live)
                 lowered += bound_cap < largest_k
         return rows if lowered < len(rows) else []
