@@ -483,17 +483,20 @@ def test_the_cold_start_counts_the_trials_of_the_steps_in_flight():
     trials (one per row that verifies a proposal), so with `explore_trials` = 4 the next step, chosen while the
     probe is in flight, is priced at the prior (an expensive draft at 0.5: k = 0) and no second probe is bought
     for evidence already on its way; with 8 trials wanted it probes again. Observed, the step's trials count as
-    measured ones, once."""
+    measured ones, once: with 5 wanted, the four observed leave the policy cold."""
     costly = linear_cost(step=10e-3, draft_step=6e-3)
+    v = view(4)
     for wanted, second in ((4, 0), (8, 1)):
         p = GoodputPolicy(cost_model(costly), AcceptanceTracker(), GoodputConfig(explore_trials=wanted,
                                                                                  explore_every=0))
-        v = view(4)
         probe = p.choose(v)
         assert probe.k == 1
         assert p.choose(v).k == second  # the probe still in flight
-        p.observe(v, probe, simulate_result([0.5] * 4, allowed_rows(probe, 4), np.random.default_rng(0)), 0.0)
-        assert p.acceptance.global_trials >= 4
+    p = GoodputPolicy(cost_model(costly), AcceptanceTracker(), GoodputConfig(explore_trials=5, explore_every=0))
+    probe = p.choose(v)
+    p.observe(v, probe, simulate_result([0.5] * 4, allowed_rows(probe, 4), np.random.default_rng(0)), 0.0)
+    assert 3.9 < p.acceptance.global_trials < 5
+    assert p.choose(v).k == 1  # nothing in flight now, 4 of 5 trials: still cold
 
 
 # prompt lookup on a CPU (issue 46): no draft cost, verification a little dearer per token
