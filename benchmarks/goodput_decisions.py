@@ -20,6 +20,8 @@ import collections
 import json
 from pathlib import Path
 
+from jaxspec.bench.common import write_json
+
 
 def cell_report(cell: list[dict]) -> dict:
     """The records of one (workload, proposer, load) cell -> the per-k breakdown of goodput's decision logs."""
@@ -113,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  priced all accepted: {opt['steps']} steps, {100 * opt['seconds_share']:.1f} % of step seconds, "
                   f"{opt['tokens_per_s']:.0f} tokens/s (other steps {opt['others_tokens_per_s']:.0f})")
     if args.json is not None:
-        args.json.write_text(json.dumps({"file": str(args.file), "cells": reports}, indent=1), encoding="utf-8")
-        print(f"wrote {args.json}")
+        write_json(args.json, {"file": str(args.file), "cells": reports})
     return 0
 
 

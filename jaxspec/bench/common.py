@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +26,6 @@ def machine() -> str:
 
 def write_json(path, data: dict) -> None:
     """Write a benchmark's result as indented JSON (its folder made), and say where."""
-    import json
-    from pathlib import Path
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1), encoding="utf-8")

@@ -188,6 +188,17 @@ class Option:
         return self.tokens / (self.seconds + self.unamortised_s)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A decision chosen and not yet observed: the option it ran, whether it explored, and the chain trials it
+    will give (at least one per row that verifies a proposal; none for a tree, whose steps feed `trees`)."""
+
+    decision: Decision
+    option: Option
+    explored: bool
+    trials: int
+
+
 class GoodputPolicy(Policy):
     """One k for the whole batch (rows capped at their own room)."""
 
@@ -204,9 +215,8 @@ class GoodputPolicy(Policy):
         self.runs = RunState(self.trees.config)  # the first proposal by how the step before ended
         self.config = config
         self.log = DecisionLog(config.log_size)
-        # decisions chosen but not yet observed, with their option, whether it explored and the chain trials it
-        # will give (the overlapped loop chooses step t+1 before it observes step t)
-        self._pending: collections.deque[tuple[Decision, Option, bool, int]] = collections.deque(maxlen=8)
+        # decisions chosen but not yet observed (the overlapped loop chooses step t+1 before it observes step t)
+        self._pending: collections.deque[_Pending] = collections.deque(maxlen=8)
         self.catch_up_call_s = 0.0  # measured seconds per draft catch-up call (EMA)
         self.decisions = 0  # choose() calls so far (the exploration schedule)
         self.explored = 0  # decisions that ran an exploration option
@@ -221,7 +231,7 @@ class GoodputPolicy(Policy):
         if view.proposal_rates:  # the proposer's own confidences, calibrated by what was accepted
             return self.confidence_rates(view, k_max)
         # cold start: try speculating, until the trials observed and those the steps in flight will give suffice
-        cold = self.acceptance.global_trials + sum(p[3] for p in self._pending) < self.config.explore_trials
+        cold = self.acceptance.global_trials + sum(p.trials for p in self._pending) < self.config.explore_trials
         if cold and self.config.cold_start == "all":
             return np.ones((len(ids), k_max))
         if not self.config.positional:
@@ -374,9 +384,8 @@ class GoodputPolicy(Policy):
         opts = self.options(view)
         option, explored = self.pick(opts)
         decision = self.decision(option, opts)
-        # every row verifying a chain proposal gives at least one trial (a tree's steps feed `trees`, not chains)
         trials = 0 if view.tree_at(option.shape.k) is not None else sum(1 for c in option.row_k if c > 0)
-        self._pending.append((decision, option, explored, trials))
+        self._pending.append(_Pending(decision, option, explored, trials))
         return decision
 
     def observe(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float) -> None:
@@ -405,13 +414,13 @@ class GoodputPolicy(Policy):
             self.catch_up_call_s = (1 - w) * self.catch_up_call_s + w * per_call
         if elapsed_s > 0:  # a step the clock could not time (elapsed 0) carries no timing evidence
             self.cost.observe(view.batch_bucket, shape.k, shape.window, elapsed_s, real_tokens=shape.real_tokens)
-        last = next((p for p in self._pending if p[0] is decision), None)
+        last = next((p for p in self._pending if p.decision is decision), None)
         if last is not None:
             self._pending.remove(last)
         self.log.record(view, decision, result, elapsed_s,
-                        predicted_tokens=last[1].tokens if last else None,
-                        predicted_seconds=last[1].seconds if last else None,
-                        explored=last[2] if last else False)
+                        predicted_tokens=last.option.tokens if last else None,
+                        predicted_seconds=last.option.seconds if last else None,
+                        explored=last.explored if last else False)
 
     def forget(self, request_id: Hashable) -> None:
         self.acceptance.forget(request_id)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import secrets
 import threading
@@ -162,6 +163,19 @@ class _InFlight:
     def cap(self, i: int) -> int:
         """Row i's effective k in this step."""
         return self.decision.k if self.decision.row_k is None else self.decision.row_k[i]
+
+    def row_of(self, live: _Live) -> int | None:
+        """Which row of this step `live` is, or None if it is not in it."""
+        return self._row_index.get(id(live))
+
+    @functools.cached_property
+    def _row_index(self) -> dict[int, int]:
+        return {id(live): i for i, live in enumerate(self.rows)}
+
+    def wanted(self, live: _Live) -> int:
+        """Tokens `live` still wants after this step commits its most tokens (cap + 1 if it is a row of it)."""
+        i = self.row_of(live)
+        return live.output.remaining - (0 if i is None else self.cap(i) + 1)
 
 
 @dataclasses.dataclass(eq=False)
@@ -509,13 +523,12 @@ class Scheduler:
         engine = self.engine
         slots = [r.slot for r in rows]
         room = [engine.room(s) for s in slots]  # from the length bound: after `previous` commits its most tokens
-        held = {} if previous is None else {id(live): i for i, live in enumerate(previous.rows)}
         rates, assumed = (), ()
         if self.suffix_index is not None:  # each row's chain, ready for the step, and its confidence
             k_max = max(engine.menu.k_menu)
             self._chains, self._guesses, assumed_rates = [], [], []
             for r in rows:
-                i = held.get(id(r))
+                i = None if previous is None else previous.row_of(r)
                 if i is None:  # its context is read
                     chain, guess, confidences = self.suffix_index.propose(r.request_id, k_max), None, ()
                 else:  # its step in flight: proposed ahead (only with SuffixConfig.ahead: `_overlap`)
@@ -529,7 +542,7 @@ class Scheduler:
             request_ids=tuple(r.request_id for r in rows),
             context_lens=tuple(engine.length(s) for s in slots),
             # no more proposals than the cache holds, nor than tokens still wanted after the bonus one
-            row_max_k=tuple(max(0, min(c, self._wanted(r, previous, held.get(id(r))) - 1))
+            row_max_k=tuple(max(0, min(c, (r.output.remaining if previous is None else previous.wanted(r)) - 1))
                             for r, c in zip(rows, room)),
             k_menu=engine.menu.k_menu,
             batch_bucket=engine.menu.batch_bucket(len(rows)),
@@ -622,24 +635,17 @@ class Scheduler:
         running = sorted((r for r in self._slots.values() if r.running), key=lambda r: r.slot)
         if previous is None:
             return running
-        held = {id(live): i for i, live in enumerate(previous.rows)}
         exact_k, largest_k = self.policy.exact_caps_k(self.engine.menu.k_menu), self.engine.menu.max_k
         rows, lowered = [], 0
         for live in running:
-            i = held.get(id(live))
-            if i is None:
+            if previous.row_of(live) is None:
                 rows.append(live)
                 continue
-            bound_cap = min(self.engine.room(live.slot), self._wanted(live, previous, i) - 1)
+            bound_cap = min(self.engine.room(live.slot), previous.wanted(live) - 1)
             if bound_cap >= exact_k:  # (>= 0: it still wants a token)
                 rows.append(live)
                 lowered += bound_cap < largest_k
         return rows if lowered < len(rows) else []
-
-    @staticmethod
-    def _wanted(live: _Live, previous: _InFlight | None, i: int | None) -> int:
-        """Tokens `live` still wants after `previous` (where it is row i) commits its most tokens, cap + 1."""
-        return live.output.remaining - (0 if i is None else previous.cap(i) + 1)
 
     def _dispatch(self, rows: list[_Live], previous: _InFlight | None = None) -> _InFlight | None:
         """policy.choose then engine.dispatch_step for `rows`; when the page pool cannot take the step, the
