@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxspec.bench.common import machine
 from jaxspec.menu import Menu, step_shape
-from jaxspec.policy.base import BatchView
+from jaxspec.policy.base import BatchView, Decision, Policy, menu_at_most, row_caps
 from jaxspec.policy.fixed import FixedPolicy
 from jaxspec.types import StepResult
 
@@ -90,6 +90,59 @@ def replay_request(req: Recorded, choose, rid):
             accepted += 1
         yield view, decision, len(chain), accepted
         t += accepted + 1
+
+
+class RunStatePolicy(Policy):
+    """A reference, not a policy to ship: k_full after a row's last observed step accepted every proposal (a copied
+    run), k_rejected otherwise (and before any step is observed). The best pair over the menu, chosen in hindsight
+    per workload, bounds what pricing runs alone can win over the best fixed k."""
+
+    def __init__(self, k_full: int, k_rejected: int):
+        self.k_full, self.k_rejected = k_full, k_rejected
+        self.name = f"runs:{k_full}/{k_rejected}"
+        self._full: dict = {}  # request id -> whether its last observed step accepted all it proposed
+
+    def choose(self, view: BatchView) -> Decision:
+        rid = view.request_ids[0]
+        k = menu_at_most(self.k_full if self._full.get(rid, False) else self.k_rejected, view.k_menu)
+        return Decision(k=k, row_k=row_caps(k, view))
+
+    def observe(self, view, decision, result, elapsed_s) -> None:
+        proposed = int(result.proposed[0])
+        if proposed:
+            self._full[view.request_ids[0]] = int(result.counts[0]) - 1 == proposed
+
+    def forget(self, request_id) -> None:
+        self._full.pop(request_id, None)
+
+
+def clairvoyant(requests: list[Recorded], price, windows) -> dict:
+    """A bound no policy reaches: every step takes the k whose own tokens/s is the highest, knowing what each k
+    would accept (greedy per step, so not the exact optimum over a request, but no causal policy sees this much)."""
+    tokens = seconds = steps = 0
+    k_hist: dict[int, int] = {}
+    for req in requests:
+        out, t = req.output, 1
+        while t < len(out):
+            context = list(req.prompt) + list(out[:t])
+            cap = max(0, min(max(K_MENU), req.max_tokens - t - 1))
+            best = None
+            for k in K_MENU:
+                if k > cap:
+                    break
+                chain = lookup_chain(context, k)
+                accepted = 0
+                while accepted < len(chain) and t + accepted < len(out) and chain[accepted] == out[t + accepted]:
+                    accepted += 1
+                shape = step_shape((len(context),), (cap,), k, K_MENU, windows)
+                took = price(shape.k, shape.window)
+                if best is None or (accepted + 1) / took > best[0]:
+                    best = ((accepted + 1) / took, k, accepted, took)
+            _, k, accepted, took = best
+            tokens, seconds, steps, t = tokens + accepted + 1, seconds + took, steps + 1, t + accepted + 1
+            k_hist[k] = k_hist.get(k, 0) + 1
+    return {"tokens": tokens, "seconds": seconds, "steps": steps, "tokens_per_s": tokens / seconds,
+            "k_hist": {str(k): n for k, n in sorted(k_hist.items())}}
 
 
 def step_costs(engine, repeats: int, context: int = 180) -> dict[int, float]:
@@ -356,6 +409,14 @@ def main(argv=None) -> int:
             row["none" if k == 0 else f"fixed:{k}"] = run_policy(requests, lambda k=k: FixedPolicy(k), price,
                                                                    args.cell, windows, args.lag)
         best = max(("none", *(f"fixed:{k}" for k in K_MENU if k)), key=lambda p: row[p]["tokens_per_s"])
+        run_states = {(kf, kr): run_policy(requests, lambda kf=kf, kr=kr: RunStatePolicy(kf, kr), price, args.cell,
+                                           windows, args.lag) for kf in K_MENU for kr in K_MENU}
+        kf, kr = max(run_states, key=lambda pair: run_states[pair]["tokens_per_s"])
+        row["runs_best_pair"] = {**run_states[(kf, kr)], "k_full": kf, "k_rejected": kr,
+                                 "faster_than_best_fixed": run_states[(kf, kr)]["tokens_per_s"]
+                                 / row[best]["tokens_per_s"]}
+        row["clairvoyant"] = clairvoyant(requests, price, windows)
+        row["clairvoyant"]["faster_than_best_fixed"] = row["clairvoyant"]["tokens_per_s"] / row[best]["tokens_per_s"]
         for vname, vdefaults in variants.items():
             def make(vdefaults=vdefaults):
                 return make_policy("goodput", cost_model=CostModel.from_profile(profile, vdefaults.cost_online),
@@ -365,7 +426,9 @@ def main(argv=None) -> int:
             row[vname]["slower_than_best_fixed"] = row[best]["tokens_per_s"] / row[vname]["tokens_per_s"]
         results[name] = row
         print(f"{name}: lookup agreement {row['lookup_check']['share']:.3f}; best {best} "
-              f"{row[best]['tokens_per_s']:.1f} tok/s; " + "; ".join(
+              f"{row[best]['tokens_per_s']:.1f} tok/s; runs {kf}/{kr} "
+              f"{row['runs_best_pair']['faster_than_best_fixed']:.3f}x faster; clairvoyant "
+              f"{row['clairvoyant']['faster_than_best_fixed']:.3f}x faster; " + "; ".join(
                   f"{v} {row[v]['tokens_per_s']:.1f} ({row[v]['slower_than_best_fixed']:.3f}x slower)"
                   for v in variants), file=sys.stderr)
     meta = {**run, "load_after": load(), "k_menu": K_MENU, "pricing": args.pricing,
