@@ -124,3 +124,62 @@ def test_outcome_before_counts_first_acceptances_after_a_copied_run():
     out = outcome_before(requests)
     assert out["lag1"]["after_full"]["steps"] > 0
     assert out["lag1"]["after_full"]["rate"] > out["lag1"]["after_rejection"]["rate"]
+
+
+def _mixed_requests():
+    """Requests that copy a run from the prompt, then leave it for tokens nothing proposes, then copy again."""
+    text = list(range(10, 40))
+    prompt = tuple(text + [3, 10])
+    output = tuple(text[1:12] + [5, 6, 7, 8, 9] + text[20:30])
+    return [Recorded(prompt, output, max_tokens=len(output), steps=())] * 2
+
+
+def test_clairvoyant_bounds_every_fixed_k_and_the_run_state_rule():
+    from benchmarks.goodput_replay import RunStatePolicy, clairvoyant
+
+    requests = _mixed_requests()
+    cost = synthetic_cost_model(linear_cost(), (1,), K_MENU, (64,))
+    price = lambda k, w: cost.base_time(1, k, w)  # noqa: E731
+    bound = clairvoyant(requests, price, (64,))
+    causal = [run_policy(requests, lambda k=k: FixedPolicy(k), price, cell=2, windows=(64,)) for k in K_MENU]
+    causal += [run_policy(requests, lambda a=a, b=b: RunStatePolicy(a, b), price, cell=2, windows=(64,))
+               for a in K_MENU for b in K_MENU]
+    assert {r["tokens"] for r in causal} == {bound["tokens"]}
+    assert all(bound["tokens_per_s"] >= r["tokens_per_s"] - 1e-9 for r in causal)
+    assert bound["tokens_per_s"] > max(r["tokens_per_s"] for r in causal[:len(K_MENU)])  # strictly, on a mix
+
+
+def test_run_state_rule_goes_deep_after_a_full_acceptance_only():
+    from benchmarks.goodput_replay import RunStatePolicy
+
+    calls: list[int] = []
+
+    class Recording(RunStatePolicy):
+        def choose(self, view):
+            decision = super().choose(view)
+            calls.append(decision.k)
+            return decision
+
+    price = lambda k, w: 0.01  # noqa: E731
+    run_policy(_mixed_requests()[:1], lambda: Recording(5, 1), price, cell=1, windows=(64,), lag=0)
+    assert calls[0] == 1 and 5 in calls  # starts shallow; the first full copy of one token sends it deep
+    rule = RunStatePolicy(5, 1)
+    assert rule.choose(_view("r", cap=5)).k == 1
+    rule.observe(_view("r", cap=5), None, _result(proposed=1, counts=2), 0.01)  # accepted all (1 of 1)
+    assert rule.choose(_view("r", cap=5)).k == 5
+    rule.observe(_view("r", cap=5), None, _result(proposed=5, counts=3), 0.01)  # a rejection
+    assert rule.choose(_view("r", cap=5)).k == 1
+    rule.observe(_view("r", cap=5), None, _result(proposed=0, counts=1), 0.01)  # nothing proposed: no evidence
+    assert rule.choose(_view("r", cap=5)).k == 1
+
+
+def _view(rid, cap):
+    from jaxspec.policy.base import BatchView
+
+    return BatchView(request_ids=(rid,), context_lens=(10,), row_max_k=(cap,), k_menu=K_MENU, batch_bucket=1)
+
+
+def _result(proposed, counts):
+    from jaxspec.types import StepResult
+
+    return StepResult(tokens=np.zeros((1, 6), np.int32), counts=np.array([counts]), proposed=np.array([proposed]))
