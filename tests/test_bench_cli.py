@@ -40,16 +40,19 @@ def test_bench_with_a_tree_runs_the_tree_beside_the_chain_of_the_same_width(tmp_
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args(["--model", "tiny", "--proposers", "ngram", "--workloads", "code",
-                              "--policies", "none,fixed:4,goodput", "--tree", "4:2",
-                              "--k-menu", "0,4", "--capacity", "2", "--requests", "2", "--max-tokens", "8",
+                              "--policies", "none,fixed:2,fixed:4,goodput", "--tree", "4:2",
+                              "--k-menu", "0,2,4", "--capacity", "2", "--requests", "2", "--max-tokens", "8",
                               "--max-prompt-tokens", "120", "--load-fractions", "0.5", "--no-progress", "--no-plots",
                               "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "out")])
     assert cli.run(args) == 0
     records = json.loads((tmp_path / "r.json").read_text())["records"]
     cells = {(r["proposer"], r["policy"]) for r in records}
-    # the tree under fixed:4 and goodput (over the chains and the tree); none and the chain beside it
-    assert cells == {("ngram", "none"), ("ngram", "fixed:4"), ("ngram", "goodput"), ("ngram-tree", "none"),
-                     ("ngram-tree", "fixed:4"), ("ngram-tree", "goodput")}
+    # the tree under fixed:4, a chain on its engine under fixed:2, goodput over both; none and the chains beside
+    assert cells == {("ngram", "none"), ("ngram", "fixed:2"), ("ngram", "fixed:4"), ("ngram", "goodput"),
+                     ("ngram-tree", "none"), ("ngram-tree", "fixed:2"), ("ngram-tree", "fixed:4"),
+                     ("ngram-tree", "goodput")}
+    tree_steps = {r["policy"]: r["k_hist"] for r in records if r["proposer"] == "ngram-tree"}
+    assert set(tree_steps["fixed:2"]) <= {"0", "1", "2"}  # a chain on the tree's engine, never the tree
     for r in records:
         assert r["errors"] == 0 and r["tokens_per_step"] >= 1.0
 

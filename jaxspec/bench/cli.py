@@ -15,7 +15,8 @@ only the time differs. Each policy object is fresh per cell (no acceptance histo
 Goodput policies use the device profile (`jaxspec profile`), measured once and cached.
 `--tree N[:D]` adds the proposer `ngram-tree` (unless `--proposers` names `draft-tree`, `ngram-tree` or both):
 prompt lookup (or the draft model) on an engine whose k = N step verifies a token tree (jaxspec/speculation/tree.py)
-instead of a chain, under `fixed:N` and `goodput` (which then chooses among the chains and the tree);
+instead of a chain, under every `fixed:K` (the tree at K = N, a chain at the others) and `goodput` (which then
+chooses among the chains and the tree);
 `fixed:N` under `ngram` (`draft`) is the chain of the same verify width, side by side.
 Metrics: see jaxspec/bench/loadgen.py. Nothing compiles inside a measured run (checked).
 `--repeats R` runs every cell R times, every policy once per repeat in turn on that repeat's arrivals (paired;
@@ -87,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tree_help = next(f for f in dataclasses.fields(EngineArgs) if f.name == "tree").metadata["help"]
     parser.add_argument("--tree", default=None, metavar="N[:D]",
                         help=f"{tree_help}; here the proposers 'ngram-tree' (added by default) and 'draft-tree' "
-                             f"beside the chains, under fixed:N and goodput")
+                             f"beside the chains, under every fixed:K (the tree at K = N) and goodput")
     parser.add_argument("--max-len", type=int, default=None,
                         help="cache length, a multiple of 16 (default prompt cap + output cap + 16, rounded up to one)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
@@ -280,10 +281,11 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                         and workload_name not in s.draft_only_on)]
 
     def policies_for(proposer_name):
-        """The policies a proposer runs under; a tree under fixed:N and goodput only (its other fixed k are
-        the chain proposer's; goodput-per-request does not price trees)."""
+        """The policies a proposer runs under; a tree under `fixed:K` (the tree at K = N, chains on the same
+        engine at every other K: goodput there chooses among all of them, so each is a fixed choice it must beat)
+        and goodput only (goodput-per-request does not price trees)."""
         if proposer_name in TREE_PROPOSERS:
-            return [spec for spec in s.policies if spec in (f"fixed:{tree.nodes}", "goodput")]
+            return [spec for spec in s.policies if spec == "goodput" or PolicySpec.parse(spec).name == "fixed"]
         return [spec for spec in s.policies if spec != "none"]
 
     loads = list(s.closed_loop) if s.closed_loop else None
