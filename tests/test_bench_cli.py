@@ -3,6 +3,8 @@
 import argparse
 import json
 
+import pytest
+
 from jaxspec.bench import cli
 
 REQUIRED = {"workload", "proposer", "policy", "rate", "mean_latency_s", "p50_latency_s", "p99_latency_s",
@@ -125,12 +127,61 @@ def test_repeats_pair_every_policy_and_report_intervals(tmp_path, monkeypatch, c
     assert "95 % CI" in (tmp_path / "out" / "bench.md").read_text()
 
 
+@pytest.mark.parametrize("load", [["--closed-loop", "2"], ["--rates", "50"]])
+def test_slice_runs_a_cells_policies_at_once_each_on_its_own_engine(tmp_path, monkeypatch, load):
+    """--slice: the policies of a cell take turns (each on its own engine and clock), greedy outputs agree, and
+    the records are those of a run one after another (latencies per repeat and request, the interval checks)."""
+    monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(tmp_path / "profiles"))
+    from jaxspec.bench import loadgen
+
+    schedulers, turns = [], []
+    real_scheduler, real_interleaved = cli._scheduler, loadgen.run_interleaved
+
+    def scheduler(engine, policy, *args):
+        sched = real_scheduler(engine, policy, *args)
+        schedulers.append((engine, "none" if policy is None else policy.name, sched))
+        return sched
+
+    def interleaved(runs, slice_s):
+        turns.append((len(runs), slice_s))
+        return real_interleaved(runs, slice_s)
+
+    monkeypatch.setattr(cli, "_scheduler", scheduler)
+    monkeypatch.setattr(loadgen, "run_interleaved", interleaved)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny", "--proposers", "ngram", "--workloads", "code",
+                              "--policies", "none,fixed:2,goodput", "--repeats", "2", "--slice", "0.05",
+                              "--k-menu", "0,2", "--capacity", "2", "--requests", "3", "--max-tokens", "6",
+                              "--max-prompt-tokens", "120", *load, "--no-progress", "--no-plots",
+                              "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "out")])
+    assert cli.run(args) == 0
+    assert turns == [(3, 0.05), (3, 0.05)]  # one interleave of the three policies per repeat
+    assert len(schedulers) == 6  # 2 repeats × 3 policies (--rates: no service rate measured)
+    measured = schedulers
+    engines = {name: id(engine) for engine, name, _ in measured}
+    assert len(set(engines.values())) == 3  # none, fixed:2 and goodput each on its own engine
+    assert all(isinstance(sched.clock, loadgen.SliceClock) for _, _, sched in measured)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["meta"]["settings"]["slice_s"] == 0.05
+    records = result["records"]
+    assert {r["policy"] for r in records} == {"none", "fixed:2", "goodput"}
+    assert len({r["output_tokens"] for r in records}) == 1  # greedy: every policy emits the same tokens
+    for r in records:
+        n = 4 if load[0] == "--closed-loop" else 3  # a closed loop runs at least 2 × c requests
+        assert r["errors"] == 0 and len(r["latencies_s"]) == 2 and all(len(x) == n for x in r["latencies_s"])
+        assert all(v > 0 for row in r["latencies_s"] for v in row)
+    [check] = result["checks"]["goodput_vs_best_fixed"]
+    assert check["repeats"] == 2 and check["ci95"][0] <= check["ratio"] <= check["ci95"][1]
+    with pytest.raises(ValueError, match="--slice"):
+        cli.settings_from_args(parser.parse_args(["--slice", "-1"]))
+
+
 def test_quick_says_it_is_a_smoke_test():
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     assert "smoke test" in parser.format_help()
     assert "smoke test" in cli.QUICK_NOTE and cli.settings_from_args(parser.parse_args(["--quick"])).quick
-    import pytest
     with pytest.raises(ValueError, match="repeats"):
         cli.settings_from_args(parser.parse_args(["--repeats", "0"]))
 

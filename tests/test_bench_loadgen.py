@@ -115,3 +115,117 @@ def test_k0_pricing_counts_decisions_that_overpriced_plain_decoding():
     steps += [{"bucket": 1, "batch": 1, "k": 4, "seconds": 0.06, "predicted_goodput": {"0": 1 / 0.09, "4": 30.0}}]
     got = k0_pricing(steps, over=1.5)
     assert got == {"decisions": 5, "mispriced": 1, "worst": 3.0}  # 0.09 s priced against 0.03 s observed
+
+
+class MachineClock(FakeClock):
+    """A wall clock whose machine runs a step `slow` times slower between `slow_from` and `slow_to` (a neighbour's
+    job); `work(s)` advances it by s seconds of work at the current speed."""
+
+    def __init__(self, slow_from=float("inf"), slow_to=float("inf"), slow=1.0):
+        super().__init__()
+        self.slow_from, self.slow_to, self.slow = slow_from, slow_to, slow
+
+    def work(self, s):
+        self.t += s * (self.slow if self.slow_from <= self.t < self.slow_to else 1.0)
+
+
+class SliceStub(StubScheduler):
+    """StubScheduler on a run's own clock, its steps costing `step_s` of the machine's time; logs its steps and
+    settles under `name`."""
+
+    def __init__(self, clock, machine, name, log, step_s=0.1):
+        super().__init__(clock)
+        self.machine, self.name, self.log, self.step_s = machine, name, log, step_s
+
+    def step_once(self):
+        if not self.queue:
+            return False
+        self.clock.sleep = lambda s: self.machine.work(s / 0.1 * self.step_s)  # StubScheduler's step: 0.1 s
+        self.log.append(self.name)
+        return super().step_once()
+
+    def settle(self):
+        self.log.append(f"settle {self.name}")
+        return False
+
+
+def _interleave(machine, slice_s, step_s=(0.1, 0.1), arrivals=None, n=4):
+    from jaxspec.bench.loadgen import Interleaved, SliceClock, closed_loop, open_loop, run_interleaved
+
+    log, runs, samples = [], [], []
+    for name, step in zip("ab", step_s, strict=True):
+        clock, out = SliceClock(base=machine), []
+        sched = SliceStub(clock, machine, name, log, step)
+        reqs = [types.SimpleNamespace(request_id=f"{name}{i}") for i in range(n)]
+        driver = (closed_loop(sched, reqs, 1, out, clock=clock) if arrivals is None
+                  else open_loop(sched, reqs, arrivals, out, clock=clock, sleep=clock.advance))
+        runs.append(Interleaved(sched, driver, clock))
+        samples.append(out)
+    run_interleaved(runs, slice_s)
+    return samples, log, runs
+
+
+def test_interleaved_runs_take_turns_and_each_clock_counts_its_own_steps():
+    machine = MachineClock()
+    (a, b), log, runs = _interleave(machine, slice_s=0.25, step_s=(0.1, 0.2))
+    # alone, run a's requests take 3 steps of 0.1 s each, one after another (c = 1); run b's 3 of 0.2 s
+    assert [s.latency_s for s in a] == pytest.approx([0.3] * 4)
+    assert [s.latency_s for s in b] == pytest.approx([0.6] * 4)
+    assert machine.t - 100.0 == pytest.approx(12 * 0.1 + 12 * 0.2)  # the machine did each step once
+    assert runs[0].clock() == pytest.approx(1.2) and runs[1].clock() == pytest.approx(2.4)
+    turns = [x for x in log if not x.startswith("settle")]
+    assert turns[:9] == list("aaabbaaab")  # a turn lasts until its clock passed 0.25 s: 3 steps of a, 2 of b
+    assert log[3] == "settle a" and log[6] == "settle b"  # every turn ends settled (no step left in flight)
+
+
+def test_a_slow_moment_of_the_machine_falls_on_interleaved_runs_alike():
+    """Two identical runs; the machine is 3× slower for a while. One after the other, the second takes the slow
+    moment alone; taking turns, they share it."""
+    def ratio(slice_s):
+        machine = MachineClock(slow_from=101.2, slow_to=102.0, slow=3.0)
+        if slice_s is None:  # one after the other, each on the machine's clock
+            mean = []
+            for name in "ab":
+                reqs = [types.SimpleNamespace(request_id=f"{name}{i}") for i in range(4)]
+                sched = SliceStub(machine, machine, name, [], 0.1)
+                sched.clock = machine
+                mean.append(np.mean([s.latency_s for s in run_closed_loop(sched, reqs, 1, clock=machine)]))
+            return mean[1] / mean[0]
+        (a, b), _, _ = _interleave(machine, slice_s, n=8)
+        return np.mean([s.latency_s for s in b]) / np.mean([s.latency_s for s in a])
+
+    assert ratio(None) > 1.5
+    assert ratio(0.1) == pytest.approx(1.0, abs=0.1) and ratio(0.25) == pytest.approx(1.0, abs=0.1)
+
+
+def test_interleaved_open_loop_skips_idle_waits_and_keeps_the_arrival_accounting():
+    machine = MachineClock()
+    arrivals = [0.0, 0.05, 10.0, 10.0]
+    (a, b), _, runs = _interleave(machine, slice_s=0.15, arrivals=arrivals)
+    for samples in (a, b):
+        lat = {s.request_id[1:]: s.latency_s for s in samples}
+        assert lat["0"] == pytest.approx(0.3) and lat["1"] == pytest.approx(0.6 - 0.05)  # as alone (above)
+        assert lat["2"] == pytest.approx(0.3) and lat["3"] == pytest.approx(0.6)
+    assert machine.t - 100.0 == pytest.approx(2 * 12 * 0.1)  # the 9.4 s waits cost no wall time
+    assert runs[0].clock() == pytest.approx(10.6)  # ... but count on the run's own clock
+
+
+def test_slice_clock_runs_only_while_resumed():
+    from jaxspec.bench.loadgen import SliceClock
+
+    wall = FakeClock()
+    clock = SliceClock(base=wall)
+    wall.sleep(5.0)
+    assert clock() == 0.0  # paused at creation
+    clock.resume()
+    wall.sleep(1.0)
+    clock.pause()
+    wall.sleep(3.0)
+    clock.advance(0.5)
+    assert clock() == pytest.approx(1.5)
+    clock.resume()
+    wall.sleep(0.25)
+    assert clock() == pytest.approx(1.75)
+    with pytest.raises(ValueError, match="slice_s"):
+        from jaxspec.bench.loadgen import run_interleaved
+        run_interleaved([], 0.0)

@@ -96,6 +96,29 @@ def test_fake_engine_overlapped_equals_synchronous(k, accept):
                        FinishReason.LENGTH, FinishReason.LENGTH]
 
 
+@pytest.mark.parametrize("k, accept", [(0, 0), (3, 2)])
+def test_settle_leaves_nothing_in_flight_and_the_output_unchanged(k, accept):
+    """`Scheduler.settle` between steps (the bench's interleave pauses a scheduler so) reads the step in flight
+    and dispatches nothing; the next step starts from read counts, and the tokens are the synchronous loop's."""
+    outputs = {}
+    for settle_every in (None, 3):
+        engine = FakeEngine(MENU, vocab_size=64, eos_token_ids=(1,), accept=accept)
+        engine.warmup()
+        sched = Scheduler(engine, FixedPolicy(k), config=SYNC if settle_every is None else OVERLAP)
+        handles = [sched.submit(r, stream=False) for r in fake_requests()]
+        settled = steps = 0
+        while not all(h.done() for h in handles):
+            sched.step_once()
+            steps += 1
+            if settle_every and steps % settle_every == 0:
+                settled += sched.settle()
+                assert engine.in_flight() == 0 and sched.settle() is False  # nothing left to read
+        outputs[settle_every] = [(h.result().token_ids, h.result().finish_reason) for h in handles]
+        assert settle_every is None or settled >= 1  # it read a step in flight (at k = 0, most turns)
+        no_leaks(engine, sched)
+    assert outputs[3] == outputs[None]
+
+
 class BatchProbe:
     """Records each dispatched step's slots and per-row caps."""
 

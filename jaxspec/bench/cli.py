@@ -101,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "every other repeat), and report goodput's mean-latency "
                              "ratio to the best fixed k with a 95%% bootstrap interval over requests and repeats "
                              "(default 1)")
+    parser.add_argument("--slice", type=float, default=0.0, metavar="S", dest="slice_s",
+                        help="run a cell's policies at once, taking turns of S seconds each on their own clocks "
+                             "(one engine per policy), so a slow moment of the machine falls on every policy "
+                             "alike; 0 (default): one policy's run after another's")
     parser.add_argument("--decision-log", action="store_true",
                         help="keep the goodput policy's full decision log (predicted against realised, per step) "
                              "in the JSON records")
@@ -138,6 +142,7 @@ class Settings:
     tree: str | None = None  # --tree N[:D]: the envelope of the `*-tree` proposers
     overlap: bool = True  # False: --no-overlap, the synchronous scheduler loop
     repeats: int = 1  # --repeats: runs of every cell, policies interleaved within each (paired)
+    slice_s: float = 0.0  # --slice: a cell's policies run at once in turns of this many seconds (0: one by one)
     decision_log: bool = False  # --decision-log: every goodput step's record in the JSON
 
 
@@ -168,6 +173,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     repeats = getattr(args, "repeats", 1)
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    slice_s = getattr(args, "slice_s", 0.0)
+    if slice_s < 0:
+        raise ValueError(f"--slice must be >= 0 seconds, got {slice_s}")
     if args.closed_loop and max(args.closed_loop) > capacity:
         raise ValueError(f"concurrency {max(args.closed_loop)} exceeds --capacity {capacity}")
     return Settings(
@@ -179,7 +187,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         ignore_eos=args.ignore_eos,
         seed=args.seed, quick=q, progress=not args.no_progress,
         draft_only_on=("chat",) if q and args.proposers is None else None, tree=tree,
-        overlap=not getattr(args, "no_overlap", False), repeats=repeats,
+        overlap=not getattr(args, "no_overlap", False), repeats=repeats, slice_s=slice_s,
         decision_log=getattr(args, "decision_log", False))
 
 
@@ -217,11 +225,11 @@ def _requests(workload, s: Settings, tag: str):
     return [Request(f"{tag}-{i}", p, params) for i, p in enumerate(workload.prompts)]
 
 
-def _scheduler(engine, policy, tokenizer, capacity, overlap: bool = True):
+def _scheduler(engine, policy, tokenizer, capacity, overlap: bool = True, clock=time.perf_counter):
     from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
 
     return Scheduler(engine, policy, tokenizer if _has_detok(tokenizer) else None,
-                     SchedulerConfig(max_running=capacity, overlap=overlap), clock=time.perf_counter)
+                     SchedulerConfig(max_running=capacity, overlap=overlap), clock=clock)
 
 
 def _has_detok(tokenizer) -> bool:
@@ -249,7 +257,15 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
     import numpy as np
     from tqdm import tqdm
 
-    from jaxspec.bench.loadgen import poisson_arrivals, run_closed_loop, run_open_loop, summarize
+    from jaxspec.bench.loadgen import (
+        Interleaved,
+        SliceClock,
+        closed_loop,
+        open_loop,
+        poisson_arrivals,
+        run_interleaved,
+        summarize,
+    )
     from jaxspec.bench.workloads import load_workload
     from jaxspec.engine import compile_counter
     from jaxspec.engine.engine import Engine
@@ -273,7 +289,6 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
         engines[name].warmup(progress=s.progress)
         if any(PolicySpec.parse(p).needs_cost_model for p in s.policies):
             make_bench_policy("goodput", engines[name])  # profile now (cached on disk)
-    log(f"warm-up + profiles: {time.perf_counter() - t0:.1f} s")
 
     def runs_for(workload_name):
         return [p for p in proposers
@@ -287,6 +302,18 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
         if proposer_name in TREE_PROPOSERS:
             return [spec for spec in s.policies if spec == "goodput" or PolicySpec.parse(spec).name == "fixed"]
         return [spec for spec in s.policies if spec != "none"]
+
+    cell_engines = {("none", "none"): plain}  # --slice: (proposer, policy) -> its own engine (they run at once)
+    if s.slice_s > 0:
+        for name in proposers:
+            for i, spec in enumerate(policies_for(name)):
+                if i == 0:
+                    cell_engines[(name, spec)] = engines[name]
+                    continue
+                cell_engines[(name, spec)] = Engine(target, proposers[name], engines[name].menu, mesh=mesh,
+                                                    kernels=kernels)
+                cell_engines[(name, spec)].warmup(progress=s.progress)
+    log(f"warm-up + profiles: {time.perf_counter() - t0:.1f} s")
 
     loads = list(s.closed_loop) if s.closed_loop else None
     n_rates = len(s.rates) if s.rates else len(s.fractions)
@@ -315,25 +342,51 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
             runs: dict[tuple[str, str], list[dict]] = {}  # (proposer, policy) -> one measurement per repeat
             outputs = {}
 
-            def measure(engine, spec, proposer_name, arrivals):
+            def start(engine, spec, clock):
+                """A fresh policy and scheduler on `clock` for one run, the engine's caches emptied."""
                 policy = None if spec == "none" else make_bench_policy(spec, engine)
                 engine.clear_prefix_cache()  # every cell starts with no earlier prompts cached
                 if engine.suffix_index is not None:  # ... and no earlier outputs
                     engine.suffix_index.clear()
-                sched = _scheduler(engine, policy, tokenizer, s.capacity, s.overlap)
-                before = compile_counter.count()
-                catch_up_before = dataclasses.replace(engine.catch_up_totals)
+                return policy, _scheduler(engine, policy, tokenizer, s.capacity, s.overlap, clock)
+
+            def driver(sched, samples, arrivals, clock, sleep=time.sleep):
                 if kind == "rate":
-                    samples = run_open_loop(sched, reqs, arrivals)
-                else:
-                    samples = run_closed_loop(sched, reqs, int(value), sessions=cell.sessions or None)
-                if compile_counter.count() != before:
-                    raise RuntimeError(f"{compile_counter.count() - before} compiles inside a measured run")
+                    return open_loop(sched, reqs, arrivals, samples, clock=clock, sleep=sleep)
+                return closed_loop(sched, reqs, int(value), samples, sessions=cell.sessions or None, clock=clock)
+
+            def finished(engine, proposer_name, spec, policy, sched, samples, catch_up_before) -> dict:
                 outputs[(proposer_name, spec)] = {x.request_id: x.tokens for x in samples}
                 bar.update(1)
                 return {"samples": samples, "policy": policy, "loop": dataclasses.asdict(sched.seconds),
                         "catch_up_calls": engine.catch_up_totals.calls - catch_up_before.calls,
                         "catch_up_s": engine.catch_up_totals.seconds - catch_up_before.seconds}
+
+            def measure(order, arrivals) -> dict[tuple[str, str], dict]:
+                """One repeat: every (engine, policy, proposer) of `order` run on this repeat's requests and
+                arrivals, one after another, or all at once taking turns (--slice)."""
+                before, out = compile_counter.count(), {}
+                if s.slice_s > 0:
+                    runs, started = [], []
+                    for engine, spec, pname in order:
+                        clock, samples = SliceClock(), []
+                        policy, sched = start(engine, spec, clock)
+                        runs.append(Interleaved(sched, driver(sched, samples, arrivals, clock, clock.advance), clock))
+                        started.append((engine, pname, spec, policy, sched, samples,
+                                        dataclasses.replace(engine.catch_up_totals)))
+                    run_interleaved(runs, s.slice_s)
+                    for engine, pname, spec, *rest in started:
+                        out[(pname, spec)] = finished(engine, pname, spec, *rest)
+                else:
+                    for engine, spec, pname in order:
+                        policy, sched = start(engine, spec, time.perf_counter)
+                        samples, catch_up_before = [], dataclasses.replace(engine.catch_up_totals)
+                        for _ in driver(sched, samples, arrivals, time.perf_counter):
+                            pass
+                        out[(pname, spec)] = finished(engine, pname, spec, policy, sched, samples, catch_up_before)
+                if compile_counter.count() != before:
+                    raise RuntimeError(f"{compile_counter.count() - before} compiles inside a measured run")
+                return out
 
             def record(proposer_name, spec, measured: list[dict]) -> dict:
                 """One record per (proposer, policy) over every repeat: the summary of all repeats' requests
@@ -371,13 +424,14 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                 return rec
 
             cells = ([(plain, "none", "none")] if "none" in s.policies else []) + [
-                (engines[pname], spec, pname) for pname in runs_for(wname) for spec in policies_for(pname)]
+                (cell_engines.get((pname, spec), engines[pname]), spec, pname)
+                for pname in runs_for(wname) for spec in policies_for(pname)]
             for repeat in range(s.repeats):
                 # policies interleaved inside each repeat, in reverse order every other repeat: a drift within a
                 # repeat (a warming cache, a neighbour's job) hits them alike, not always the last ones
                 arrivals = poisson_arrivals(value, len(reqs), seed=s.seed + 1 + repeat) if kind == "rate" else None
-                for engine, spec, pname in (cells if repeat % 2 == 0 else cells[::-1]):
-                    runs.setdefault((pname, spec), []).append(measure(engine, spec, pname, arrivals))
+                for key, m in measure(cells if repeat % 2 == 0 else cells[::-1], arrivals).items():
+                    runs.setdefault(key, []).append(m)
             base = record("none", "none", runs[("none", "none")]) if "none" in s.policies else None
             for pname in runs_for(wname):
                 if base is not None:

@@ -3,6 +3,11 @@
 Both drive the scheduler from the caller's thread (`step_once`), so no thread competes with the
 engine for the 2 CPU cores. Clock and sleep are injectable (tests).
 
+Interleaved (`run_interleaved`): several runs (one scheduler and engine each, a policy each in the bench) take
+turns of a fraction of a second, round robin, each on its own `SliceClock` that runs only during its turns. Two
+runs measured one after the other see different moments of a shared machine (the same prompt chunks took up to
+14 % longer in one policy's cell than in another's of the same run); taking turns, they see the same ones.
+
 Open loop (`run_open_loop`): request i arrives at a_i = Σ_{j≤i} g_j, g_j ~ Exp(rate) (seeded). Between
 steps the driver submits every request whose arrival time has passed; when the scheduler is idle it
 sleeps until the next arrival. A request that arrives during a step is submitted after the step, so
@@ -28,7 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 
@@ -76,11 +81,22 @@ def run_open_loop(scheduler: Scheduler, requests: Sequence[Request], arrivals: S
                   on_done: Callable[[Sample], None] | None = None) -> list[Sample]:
     """Submit request i at arrivals[i] seconds after the start; run until all finish.
     `scheduler` must use the same `clock`."""
+    samples: list[Sample] = []
+    for _ in open_loop(scheduler, requests, arrivals, samples, clock=clock, sleep=sleep, on_done=on_done):
+        pass
+    return samples
+
+
+def open_loop(scheduler: Scheduler, requests: Sequence[Request], arrivals: Sequence[float], samples: list[Sample],
+              *, clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
+              on_done: Callable[[Sample], None] | None = None) -> Iterator[None]:
+    """`run_open_loop` as a driver that yields after every scheduler step and every wait, appending each finished
+    request to `samples` (`run_interleaved` runs several at once)."""
     if len(requests) != len(arrivals):
         raise ValueError("one arrival time per request")
     order = np.argsort(arrivals, kind="stable")
     t0 = clock()
-    handles, samples, nxt = {}, [], 0
+    handles, nxt = {}, 0
     while nxt < len(order) or handles:
         now = clock() - t0
         while nxt < len(order) and arrivals[order[nxt]] <= now:
@@ -90,6 +106,7 @@ def run_open_loop(scheduler: Scheduler, requests: Sequence[Request], arrivals: S
             nxt += 1
         if not handles:  # idle: wait for the next arrival
             sleep(max(0.0, float(arrivals[order[nxt]]) - (clock() - t0)))
+            yield
             continue
         scheduler.step_once()
         for rid in [r for r, (h, _, _) in handles.items() if h.done()]:
@@ -97,7 +114,7 @@ def run_open_loop(scheduler: Scheduler, requests: Sequence[Request], arrivals: S
             samples.append(_sample(handle.result(), arrival, submitted))
             if on_done:
                 on_done(samples[-1])
-    return samples
+        yield
 
 
 def run_closed_loop(scheduler: Scheduler, requests: Sequence[Request], concurrency: int, *,
@@ -105,6 +122,18 @@ def run_closed_loop(scheduler: Scheduler, requests: Sequence[Request], concurren
                     on_done: Callable[[Sample], None] | None = None) -> list[Sample]:
     """Keep `concurrency` clients' requests in flight until every request has run. `sessions`: each request's
     session (None: one each); a client runs its session's requests in order, then takes the next session."""
+    samples: list[Sample] = []
+    for _ in closed_loop(scheduler, requests, concurrency, samples, sessions=sessions, clock=clock,
+                         on_done=on_done):
+        pass
+    return samples
+
+
+def closed_loop(scheduler: Scheduler, requests: Sequence[Request], concurrency: int, samples: list[Sample], *,
+                sessions: Sequence[Hashable] | None = None, clock: Callable[[], float] = time.perf_counter,
+                on_done: Callable[[Sample], None] | None = None) -> Iterator[None]:
+    """`run_closed_loop` as a driver that yields after every scheduler step, appending each finished request to
+    `samples` (`run_interleaved` runs several at once)."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if sessions is not None and len(sessions) != len(requests):
@@ -115,7 +144,6 @@ def run_closed_loop(scheduler: Scheduler, requests: Sequence[Request], concurren
     waiting = collections.deque(queues.values())  # sessions no client has taken yet
     t0 = clock()
     handles: dict[Hashable, tuple] = {}  # request id -> (handle, submitted, its session's queue)
-    samples = []
 
     def submit(queue: collections.deque[Request]) -> None:
         r = queue.popleft()
@@ -133,7 +161,62 @@ def run_closed_loop(scheduler: Scheduler, requests: Sequence[Request], concurren
                 submit(queue)
             if on_done:
                 on_done(samples[-1])
-    return samples
+        yield
+
+
+class SliceClock:
+    """A clock that runs only during its holder's slices of an interleave (`run_interleaved`): the seconds of
+    `base` while resumed, plus the idle waits `advance` skips (an open loop waiting for an arrival does nothing,
+    so its wait costs no wall time). Paused at creation."""
+
+    def __init__(self, base: Callable[[], float] = time.perf_counter):
+        self._base, self._elapsed, self._since = base, 0.0, None
+
+    def __call__(self) -> float:
+        return self._elapsed + (self._base() - self._since if self._since is not None else 0.0)
+
+    def resume(self) -> None:
+        if self._since is None:
+            self._since = self._base()
+
+    def pause(self) -> None:
+        self._elapsed, self._since = self(), None
+
+    def advance(self, seconds: float) -> None:
+        """Skip `seconds` of idle time (the `sleep` of an interleaved open loop)."""
+        self._elapsed += max(0.0, seconds)
+
+
+@dataclasses.dataclass
+class Interleaved:
+    """One run of an interleave: its scheduler (on `clock`), its driver (`open_loop` or `closed_loop` on the same
+    clock, not started) and its clock."""
+
+    scheduler: Scheduler
+    driver: Iterator[None]
+    clock: SliceClock
+
+
+def run_interleaved(runs: Sequence[Interleaved], slice_s: float) -> None:
+    """Run several drivers to the end in turns of `slice_s` seconds of their own clocks, round robin: the runs
+    share the machine's moments (a slow second of the machine falls on all of them, not on one run's cell), and
+    each one's clock counts only its own turns. A turn ends at a step boundary, with the step in flight read
+    (`Scheduler.settle`), so no run's device work spills into another's turn; the overlapped loop loses its
+    overlap once per turn, in every run alike."""
+    if slice_s <= 0:
+        raise ValueError(f"slice_s must be > 0, got {slice_s}")
+    live = list(runs)
+    while live:
+        for run in list(live):
+            run.clock.resume()
+            began = run.clock()
+            try:
+                while run.clock() - began < slice_s:
+                    next(run.driver)
+            except StopIteration:
+                live.remove(run)
+            run.scheduler.settle()
+            run.clock.pause()
 
 
 def summarize(samples: Sequence[Sample]) -> dict:

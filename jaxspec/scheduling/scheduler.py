@@ -419,6 +419,17 @@ class Scheduler:
         did |= self._decode()
         return did
 
+    def settle(self) -> bool:
+        """Read the step in flight, if any, without dispatching another, so the loop holds no device work (the
+        bench's interleave, `jaxspec.bench.loadgen.run_interleaved`, pauses a scheduler only settled). The next
+        `step_once` then dispatches with every row's counts read, as the synchronous loop does. Call it from the
+        loop's thread. Returns whether a step was read."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return False
+        self._read(step)
+        return True
+
     def _process_cancellations(self) -> bool:
         with self._lock:
             ids, self._cancel_ids = self._cancel_ids, set()
