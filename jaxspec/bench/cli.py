@@ -22,7 +22,10 @@ Metrics: see jaxspec/bench/loadgen.py. Nothing compiles inside a measured run (c
 `--repeats R` runs every cell R times, every policy once per repeat in turn on that repeat's arrivals (paired;
 a fresh policy each time); a record pools its repeats and keeps `latencies_s[repeat][request]`, from which
 `check_goals` gives goodput's mean-latency ratio to the best fixed k (and to `none`) a 95 % paired bootstrap
-interval (jaxspec/bench/intervals.py). `--quick` is a smoke test: too few requests to tell 2 % from noise.
+interval (jaxspec/bench/intervals.py). `--slice S` runs a repeat's policies at once instead of one after another,
+each on its own engine and clock, taking turns of S seconds (jaxspec/bench/loadgen.py, `run_interleaved`): the
+machine's slow moments then fall on every policy alike (docs/design.md, "The goodput policy", measuring it live).
+`--quick` is a smoke test: too few requests to tell 2 % from noise.
 """
 
 from __future__ import annotations
