@@ -127,10 +127,12 @@ def test_repeats_pair_every_policy_and_report_intervals(tmp_path, monkeypatch, c
     assert "95 % CI" in (tmp_path / "out" / "bench.md").read_text()
 
 
-@pytest.mark.parametrize("load", [["--closed-loop", "2"], ["--rates", "50"]])
-def test_slice_runs_a_cells_policies_at_once_each_on_its_own_engine(tmp_path, monkeypatch, load):
-    """--slice: the policies of a cell take turns (each on its own engine and clock), greedy outputs agree, and
-    the records are those of a run one after another (latencies per repeat and request, the interval checks)."""
+@pytest.mark.parametrize("load, proposer", [(["--closed-loop", "2"], "ngram"), (["--rates", "50"], "ngram"),
+                                            (["--closed-loop", "2"], "suffix")])
+def test_slice_runs_a_cells_policies_at_once_each_on_its_own_engine(tmp_path, monkeypatch, load, proposer):
+    """--slice: the policies of a cell take turns (each on its own engine and clock; suffix decoding with its own
+    index of outputs), greedy outputs agree, and the records are those of a run one after another (latencies per
+    repeat and request, the interval checks)."""
     monkeypatch.setenv("JAXSPEC_PROFILE_DIR", str(tmp_path / "profiles"))
     from jaxspec.bench import loadgen
 
@@ -150,7 +152,7 @@ def test_slice_runs_a_cells_policies_at_once_each_on_its_own_engine(tmp_path, mo
     monkeypatch.setattr(loadgen, "run_interleaved", interleaved)
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    args = parser.parse_args(["--model", "tiny", "--proposers", "ngram", "--workloads", "code",
+    args = parser.parse_args(["--model", "tiny", "--proposers", proposer, "--workloads", "code",
                               "--policies", "none,fixed:2,goodput", "--repeats", "2", "--slice", "0.05",
                               "--k-menu", "0,2", "--capacity", "2", "--requests", "3", "--max-tokens", "6",
                               "--max-prompt-tokens", "120", *load, "--no-progress", "--no-plots",
@@ -161,6 +163,9 @@ def test_slice_runs_a_cells_policies_at_once_each_on_its_own_engine(tmp_path, mo
     measured = schedulers
     engines = {name: id(engine) for engine, name, _ in measured}
     assert len(set(engines.values())) == 3  # none, fixed:2 and goodput each on its own engine
+    if proposer == "suffix":  # ... and each proposing from its own outputs
+        indexes = [id(engine.suffix_index) for engine, name, _ in measured if name != "none"]
+        assert len(set(indexes)) == 2
     assert all(isinstance(sched.clock, loadgen.SliceClock) for _, _, sched in measured)
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["meta"]["settings"]["slice_s"] == 0.05

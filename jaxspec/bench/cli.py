@@ -31,6 +31,7 @@ machine's slow moments then fall on every policy alike (docs/design.md, "The goo
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -313,8 +314,10 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
                 if i == 0:
                     cell_engines[(name, spec)] = engines[name]
                     continue
-                cell_engines[(name, spec)] = Engine(target, proposers[name], engines[name].menu, mesh=mesh,
-                                                    kernels=kernels)
+                proposer = proposers[name]
+                if proposer.host_proposals:  # its index holds the outputs it proposes from: one per engine
+                    proposer = copy.deepcopy(proposer)
+                cell_engines[(name, spec)] = Engine(target, proposer, engines[name].menu, mesh=mesh, kernels=kernels)
                 cell_engines[(name, spec)].warmup(progress=s.progress)
     log(f"warm-up + profiles: {time.perf_counter() - t0:.1f} s")
 
