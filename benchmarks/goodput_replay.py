@@ -74,20 +74,33 @@ class Recorded:
     steps: tuple[tuple[int, int], ...]
 
 
+def step_cap(req: Recorded, t: int) -> int:
+    """The most proposals a step may verify with t output tokens committed: the menu's largest k, no more than the
+    tokens still wanted after the bonus one."""
+    return max(0, min(max(K_MENU), req.max_tokens - t - 1))
+
+
+def accepted_prefix(chain: list[int], out: tuple[int, ...], t: int) -> int:
+    """How many of `chain`'s tokens greedy verification accepts at output position t: its prefix equal to the
+    recorded output from t on."""
+    accepted = 0
+    while accepted < len(chain) and t + accepted < len(out) and chain[accepted] == out[t + accepted]:
+        accepted += 1
+    return accepted
+
+
 def replay_request(req: Recorded, choose, rid):
     """Yields each step of one request under `choose(view) -> Decision`: (view, decision, proposed, accepted)."""
     out, t = req.output, 1  # the first token comes from the prefill
     while t < len(out):
         context = list(req.prompt) + list(out[:t])
-        cap = max(0, min(max(K_MENU), req.max_tokens - t - 1))
+        cap = step_cap(req, t)
         view = BatchView(request_ids=(rid,), context_lens=(len(context),), row_max_k=(cap,), k_menu=K_MENU,
                          batch_bucket=1)
         decision = choose(view)
         k = min(decision.k, cap)
         chain = lookup_chain(context, k)
-        accepted = 0
-        while accepted < len(chain) and t + accepted < len(out) and chain[accepted] == out[t + accepted]:
-            accepted += 1
+        accepted = accepted_prefix(chain, out, t)
         yield view, decision, len(chain), accepted
         t += accepted + 1
 
@@ -125,15 +138,13 @@ def clairvoyant(requests: list[Recorded], price, windows) -> dict:
         out, t = req.output, 1
         while t < len(out):
             context = list(req.prompt) + list(out[:t])
-            cap = max(0, min(max(K_MENU), req.max_tokens - t - 1))
+            cap = step_cap(req, t)
             best = None
             for k in K_MENU:
                 if k > cap:
                     break
                 chain = lookup_chain(context, k)
-                accepted = 0
-                while accepted < len(chain) and t + accepted < len(out) and chain[accepted] == out[t + accepted]:
-                    accepted += 1
+                accepted = accepted_prefix(chain, out, t)
                 shape = step_shape((len(context),), (cap,), k, K_MENU, windows)
                 took = price(shape.k, shape.window)
                 if best is None or (accepted + 1) / took > best[0]:

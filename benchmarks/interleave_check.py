@@ -6,9 +6,9 @@
 Per file (one `jaxspec bench --repeats R` run) and cell, three measures of what the machine's drift does to a
 comparison of policies, none of which depends on the policies' choices:
 
-- `prefill_spread`: each policy's seconds per prompt chunk over `none`'s. Every policy prefills the same chunks
-  from an empty prefix cache, so away from 1 is the machine's speed moving between the policies' runs (reported:
-  the largest |ratio − 1| of the cell, and the mean of it over cells).
+- `prefill_spread`: each policy's seconds per prompt chunk over `none`'s (`jaxspec.bench.cli.prefill_drift`).
+  Every policy prefills the same chunks from an empty prefix cache, so away from 1 is the machine's speed moving
+  between the policies' runs (reported: the largest |ratio − 1| of the cell, and the mean of it over cells).
 - `a_a`: `fixed:0` (k = 0 every step on the proposer's engine) against `none` (k = 0 on the plain engine): the
   same work, so its ratio and 95 % paired interval (jaxspec/bench/intervals.py) show how far two equal policies
   land apart; present when the run had `fixed:0`.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.bench.cli import _paired_latencies
+from jaxspec.bench.cli import paired_latencies, prefill_drift
 from jaxspec.bench.intervals import ratio_interval
 
 
@@ -38,11 +38,6 @@ def cells(records: list[dict]) -> dict[tuple, dict[str, dict]]:
     return out
 
 
-def per_chunk(record: dict) -> float:
-    loop = record["loop"]
-    return loop["prefill_s"] / loop["prefill_chunks"]
-
-
 def check(result: dict) -> dict:
     """The module doc's measures for one bench result."""
     goodput_checks = {(c["workload"], c["proposer"], c.get("concurrency", c.get("rate"))): c
@@ -51,12 +46,13 @@ def check(result: dict) -> dict:
     for key, pol in sorted(cells(result["records"]).items(), key=lambda kv: str(kv[0])):
         if "none" not in pol:
             continue
-        base = per_chunk(pol["none"])
-        spread = {p: per_chunk(r) / base for p, r in pol.items() if p != "none"}
+        # each policy's seconds per prompt chunk over none's (left out where the chunks differ: preemptions)
+        spread = {p: d for p, r in pol.items() if p != "none" and (d := prefill_drift(r, pol["none"])) is not None}
         row = {"workload": key[0], "proposer": key[1], "load": key[2],
-               "prefill_over_none": spread, "prefill_spread": max(abs(v - 1.0) for v in spread.values())}
+               "prefill_over_none": spread,
+               "prefill_spread": max((abs(v - 1.0) for v in spread.values()), default=None)}
         if "fixed:0" in pol:
-            pair = _paired_latencies(pol["fixed:0"], pol["none"])
+            pair = paired_latencies(pol["fixed:0"], pol["none"])
             if pair is not None:
                 iv = ratio_interval(*pair)
                 row["a_a"] = {"ratio": iv.ratio, "ci95": [iv.low, iv.high], "verdict": iv.verdict()}
@@ -68,7 +64,7 @@ def check(result: dict) -> dict:
         rows.append(row)
 
     def mean(field):
-        vals = [r[field] for r in rows if field in r]
+        vals = [r[field] for r in rows if r.get(field) is not None]
         return float(np.mean(vals)) if vals else None
 
     a_a = [r["a_a"] for r in rows if "a_a" in r]
@@ -96,7 +92,9 @@ def main(argv=None) -> int:
         for row in c["cells"]:
             a_a = row.get("a_a")
             g = row.get("goodput_over_best", {})
-            print(f"  {row['workload']:14s} {row['load']!s:6s} prefill spread {row['prefill_spread']:.3f}"
+            spread = row["prefill_spread"]
+            print(f"  {row['workload']:14s} {row['load']!s:6s} prefill spread "
+                  + ("n/a" if spread is None else f"{spread:.3f}")
                   + (f"; A/A {a_a['ratio']:.3f} [{a_a['ci95'][0]:.3f}, {a_a['ci95'][1]:.3f}]" if a_a else "")
                   + (f"; goodput/{g['best']} {g['ratio']:.3f} [{g['ci95'][0]:.3f}, {g['ci95'][1]:.3f}] "
                      f"{g['verdict']}" if g else ""), file=sys.stderr)

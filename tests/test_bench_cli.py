@@ -160,13 +160,12 @@ def test_slice_runs_a_cells_policies_at_once_each_on_its_own_engine(tmp_path, mo
     assert cli.run(args) == 0
     assert turns == [(3, 0.05), (3, 0.05)]  # one interleave of the three policies per repeat
     assert len(schedulers) == 6  # 2 repeats × 3 policies (--rates: no service rate measured)
-    measured = schedulers
-    engines = {name: id(engine) for engine, name, _ in measured}
+    engines = {name: id(engine) for engine, name, _ in schedulers}
     assert len(set(engines.values())) == 3  # none, fixed:2 and goodput each on its own engine
     if proposer == "suffix":  # ... and each proposing from its own outputs
-        indexes = [id(engine.suffix_index) for engine, name, _ in measured if name != "none"]
+        indexes = [id(engine.suffix_index) for engine, name, _ in schedulers if name != "none"]
         assert len(set(indexes)) == 2
-    assert all(isinstance(sched.clock, loadgen.SliceClock) for _, _, sched in measured)
+    assert all(isinstance(sched.clock, loadgen.SliceClock) for _, _, sched in schedulers)
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["meta"]["settings"]["slice_s"] == 0.05
     records = result["records"]

@@ -48,10 +48,13 @@ class StubScheduler:
         self.queue.append(h)
         return h
 
+    def work(self, seconds):
+        self.clock.sleep(seconds)
+
     def step_once(self):
         if not self.queue:
             return False
-        self.clock.sleep(0.1)
+        self.work(0.1)
         h = self.queue[0]
         h.left -= 1
         h.first = h.first or self.clock()
@@ -137,11 +140,12 @@ class SliceStub(StubScheduler):
         super().__init__(clock)
         self.machine, self.name, self.log, self.step_s = machine, name, log, step_s
 
+    def work(self, seconds):  # StubScheduler's step is 0.1 s of work: here step_s of the machine's
+        self.machine.work(seconds / 0.1 * self.step_s)
+
     def step_once(self):
-        if not self.queue:
-            return False
-        self.clock.sleep = lambda s: self.machine.work(s / 0.1 * self.step_s)  # StubScheduler's step: 0.1 s
-        self.log.append(self.name)
+        if self.queue:
+            self.log.append(self.name)
         return super().step_once()
 
     def settle(self):
@@ -182,19 +186,18 @@ def test_a_slow_moment_of_the_machine_falls_on_interleaved_runs_alike():
     """Two identical runs; the machine is 3× slower for a while. One after the other, the second takes the slow
     moment alone; taking turns, they share it."""
     def ratio(slice_s):
-        machine = MachineClock(slow_from=101.2, slow_to=102.0, slow=3.0)
+        machine = MachineClock(slow_from=102.4, slow_to=104.0, slow=3.0)
         if slice_s is None:  # one after the other, each on the machine's clock
             mean = []
             for name in "ab":
-                reqs = [types.SimpleNamespace(request_id=f"{name}{i}") for i in range(4)]
+                reqs = [types.SimpleNamespace(request_id=f"{name}{i}") for i in range(8)]
                 sched = SliceStub(machine, machine, name, [], 0.1)
-                sched.clock = machine
                 mean.append(np.mean([s.latency_s for s in run_closed_loop(sched, reqs, 1, clock=machine)]))
             return mean[1] / mean[0]
         (a, b), _, _ = _interleave(machine, slice_s, n=8)
         return np.mean([s.latency_s for s in b]) / np.mean([s.latency_s for s in a])
 
-    assert ratio(None) > 1.5
+    assert ratio(None) == pytest.approx(1.5)  # b ran the whole slow 1.6 s alone: 6 of its 24 steps at 3×
     assert ratio(0.1) == pytest.approx(1.0, abs=0.1) and ratio(0.25) == pytest.approx(1.0, abs=0.1)
 
 

@@ -458,7 +458,7 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
 # --- goal checks -------------------------------------------------------------------------------------
 
 
-def _paired_latencies(a: dict, b: dict):
+def paired_latencies(a: dict, b: dict):
     """The [repeats, requests] latencies two records share (requests that failed in either dropped), or None when
     either record has none (files written before --repeats) or they did not run the same requests."""
     import numpy as np
@@ -476,7 +476,7 @@ def _interval_fields(policy_rec: dict, baseline_rec: dict) -> dict:
     """ci95 and verdict of policy / baseline mean latency (jaxspec/bench/intervals.py), {} without latencies."""
     from jaxspec.bench.intervals import ratio_interval
 
-    pair = _paired_latencies(policy_rec, baseline_rec)
+    pair = paired_latencies(policy_rec, baseline_rec)
     if pair is None:
         return {}
     iv = ratio_interval(*pair)
@@ -484,7 +484,7 @@ def _interval_fields(policy_rec: dict, baseline_rec: dict) -> dict:
             "paired_requests": pair[0].shape[1]}
 
 
-def _prefill_drift(policy_rec: dict, baseline_rec: dict) -> float | None:
+def prefill_drift(policy_rec: dict, baseline_rec: dict) -> float | None:
     """Seconds per prefill chunk of one record over another's, when both ran the same chunks (same prompts, each
     cell from an empty prefix cache): the same work under either policy, so a ratio away from 1 is the machine's
     speed moving between the two cells, which a paired interval over requests does not see. None without loop
@@ -521,7 +521,7 @@ def check_goals(records: list[dict]) -> dict:
                  "ok": g <= 1.02 * fixed[best], **_interval_fields(pol["goodput"], pol[best])}
         if "verdict" in entry:
             entry["ok"] = entry["verdict"] != "miss"
-        drift = _prefill_drift(pol["goodput"], pol[best])
+        drift = prefill_drift(pol["goodput"], pol[best])
         if drift is not None:
             entry["prefill_drift"] = drift
         vs_none = _interval_fields(pol["goodput"], pol["none"]) if "none" in pol else {}
