@@ -229,6 +229,20 @@ def _requests(workload, s: Settings, tag: str):
     return [Request(f"{tag}-{i}", p, params) for i, p in enumerate(workload.prompts)]
 
 
+@dataclasses.dataclass
+class _Run:
+    """One policy's run of a cell's repeat in `sweep`: what its record needs once the driver has run."""
+
+    engine: object
+    proposer: str
+    spec: str
+    policy: object
+    sched: object
+    samples: list
+    driver: object  # the load generator's driver (a generator), run to its end
+    catch_up_before: object  # the engine's catch-up totals when the run started
+
+
 def _scheduler(engine, policy, tokenizer, capacity, overlap: bool = True, clock=time.perf_counter):
     from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
 
@@ -348,48 +362,47 @@ def sweep(target, tokenizer, proposers: dict, s: Settings, *, draft_label: str =
             runs: dict[tuple[str, str], list[dict]] = {}  # (proposer, policy) -> one measurement per repeat
             outputs = {}
 
-            def start(engine, spec, clock):
-                """A fresh policy and scheduler on `clock` for one run, the engine's caches emptied."""
+            def start(engine, spec, pname, arrivals, clock, sleep=time.sleep) -> _Run:
+                """One run of a policy on this repeat's requests: a fresh policy and scheduler on `clock`, the
+                engine's caches emptied, its driver not started yet."""
                 policy = None if spec == "none" else make_bench_policy(spec, engine)
                 engine.clear_prefix_cache()  # every cell starts with no earlier prompts cached
                 if engine.suffix_index is not None:  # ... and no earlier outputs
                     engine.suffix_index.clear()
-                return policy, _scheduler(engine, policy, tokenizer, s.capacity, s.overlap, clock)
-
-            def driver(sched, samples, arrivals, clock, sleep=time.sleep):
+                sched, samples = _scheduler(engine, policy, tokenizer, s.capacity, s.overlap, clock), []
                 if kind == "rate":
-                    return open_loop(sched, reqs, arrivals, samples, clock=clock, sleep=sleep)
-                return closed_loop(sched, reqs, int(value), samples, sessions=cell.sessions or None, clock=clock)
+                    driver = open_loop(sched, reqs, arrivals, samples, clock=clock, sleep=sleep)
+                else:
+                    driver = closed_loop(sched, reqs, int(value), samples, sessions=cell.sessions or None,
+                                         clock=clock)
+                return _Run(engine, pname, spec, policy, sched, samples, driver,
+                            dataclasses.replace(engine.catch_up_totals))
 
-            def finished(engine, proposer_name, spec, policy, sched, samples, catch_up_before) -> dict:
-                outputs[(proposer_name, spec)] = {x.request_id: x.tokens for x in samples}
+            def finished(run: _Run) -> dict:
+                outputs[(run.proposer, run.spec)] = {x.request_id: x.tokens for x in run.samples}
                 bar.update(1)
-                return {"samples": samples, "policy": policy, "loop": dataclasses.asdict(sched.seconds),
-                        "catch_up_calls": engine.catch_up_totals.calls - catch_up_before.calls,
-                        "catch_up_s": engine.catch_up_totals.seconds - catch_up_before.seconds}
+                totals = run.engine.catch_up_totals
+                return {"samples": run.samples, "policy": run.policy, "loop": dataclasses.asdict(run.sched.seconds),
+                        "catch_up_calls": totals.calls - run.catch_up_before.calls,
+                        "catch_up_s": totals.seconds - run.catch_up_before.seconds}
 
             def measure(order, arrivals) -> dict[tuple[str, str], dict]:
                 """One repeat: every (engine, policy, proposer) of `order` run on this repeat's requests and
                 arrivals, one after another, or all at once taking turns (--slice)."""
                 before, out = compile_counter.count(), {}
                 if s.slice_s > 0:
-                    runs, started = [], []
-                    for engine, spec, pname in order:
-                        clock, samples = SliceClock(), []
-                        policy, sched = start(engine, spec, clock)
-                        runs.append(Interleaved(sched, driver(sched, samples, arrivals, clock, clock.advance), clock))
-                        started.append((engine, pname, spec, policy, sched, samples,
-                                        dataclasses.replace(engine.catch_up_totals)))
-                    run_interleaved(runs, s.slice_s)
-                    for engine, pname, spec, *rest in started:
-                        out[(pname, spec)] = finished(engine, pname, spec, *rest)
+                    clocks = [SliceClock() for _ in order]
+                    runs = [start(engine, spec, pname, arrivals, clock, clock.advance)
+                            for (engine, spec, pname), clock in zip(order, clocks, strict=True)]
+                    run_interleaved([Interleaved(r.sched, r.driver, c) for r, c in zip(runs, clocks, strict=True)],
+                                    s.slice_s)
+                    out = {(r.proposer, r.spec): finished(r) for r in runs}
                 else:
-                    for engine, spec, pname in order:
-                        policy, sched = start(engine, spec, time.perf_counter)
-                        samples, catch_up_before = [], dataclasses.replace(engine.catch_up_totals)
-                        for _ in driver(sched, samples, arrivals, time.perf_counter):
+                    for engine, spec, pname in order:  # started one by one: they may share an engine
+                        run = start(engine, spec, pname, arrivals, time.perf_counter)
+                        for _ in run.driver:
                             pass
-                        out[(pname, spec)] = finished(engine, pname, spec, policy, sched, samples, catch_up_before)
+                        out[(pname, spec)] = finished(run)
                 if compile_counter.count() != before:
                     raise RuntimeError(f"{compile_counter.count() - before} compiles inside a measured run")
                 return out
