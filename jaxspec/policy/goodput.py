@@ -32,17 +32,12 @@ Draft catch-up: a draft skips the tokens committed by k = 0 steps and is fed the
 `BatchView.catch_up_calls`) before the next k > 0 step. That restart cost buys speculation for
 the row's next tokens, so each k > 0 option is charged it amortised over them:
 
-    T'(k) = T(k) + Σ_i n_i · c_call · E_i(k_i) / H_i,   H_i = min(tokens row i still wants, Ĥ)
+    T'(k) = T(k) + Σ_i n_i · c_call · E_i(k_i) / H_i,   H_i = min(tokens row i still wants, horizon)
 
 where n_i is row i's pending calls and c_call the measured seconds per call (an EMA of what the
 engine reports; 0 until a catch-up has been seen). Without it, a policy near break-even flips
 between k = 0 and k > 0 and pays a catch-up at every flip; with it, it keeps its choice unless
-the gain covers the restart. Ĥ is what a restart has bought so far (`RestartHorizon`): the tokens rows
-committed in speculating steps per catch-up that ended their run, rows still running or finished counted as
-censored runs, starting at `catch_up_horizon` with the weight of one run and capped there. An assumed horizon
-(32 tokens) priced restarts as if speculation then went on; where it did not (the token draft at c = 4 and
-under Poisson load: 77 catch-up calls, 0.71 s, for 231 speculating steps in one cell), the catch-ups cost 2–4 %
-of the run and nothing in the price said so.
+the gain covers the restart.
 
 Cold start: before the proposer has `explore_trials` verified trials, its rate is the uninformed
 prior, and a prior under break-even would keep k = 0 forever, so nothing is ever measured (an
@@ -139,9 +134,7 @@ class GoodputConfig:
       the chance the *requested* token is accepted, which is what E_i(k) must predict; False
       conditions on what was proposed.
     log_size: records kept in the decision log.
-    catch_up_horizon: tokens a draft catch-up is amortised over at most, and the prior of the measured horizon
-      (see the module doc, "Draft catch-up").
-    restart_decay: weight kept by the horizon's counts at each run a catch-up ends (memory ≈ 1/(1 − γ) runs).
+    catch_up_horizon: tokens a draft catch-up is amortised over at most (see the module doc).
     catch_up_ema: weight of the newest measurement in the seconds-per-catch-up-call estimate.
     explore_trials: verified trials the proposer needs before its measured rate is trusted
       (until then the first proposal is evaluated as accepted, see "Cold start"); 0 = no exploration.
@@ -158,7 +151,6 @@ class GoodputConfig:
     log_size: int = 4096
     catch_up_horizon: int = 32
     catch_up_ema: float = 0.3
-    restart_decay: float = 0.9
     explore_trials: int = 8
     explore_every: int = 16
     explore_margin: float = 0.25
@@ -170,10 +162,6 @@ class GoodputConfig:
             raise ValueError(f"cold_start must be 'first' or 'all', got {self.cold_start!r}")
         if self.explore_every < 0:
             raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
-        if not 0.0 < self.restart_decay <= 1.0:
-            raise ValueError(f"restart_decay must be in (0, 1], got {self.restart_decay}")
-        if self.catch_up_horizon < 1:
-            raise ValueError(f"catch_up_horizon must be >= 1, got {self.catch_up_horizon}")
         if not 0.0 <= self.explore_margin < 1.0:
             raise ValueError(f"explore_margin must be in [0, 1), got {self.explore_margin}")
 
@@ -211,41 +199,6 @@ class _Pending:
     trials: int
 
 
-class RestartHorizon:
-    """Tokens a draft catch-up buys: rows' tokens committed in speculating steps per run a catch-up ended.
-
-    A run starts when a speculating step catches a row's draft up (its prompt, or what k = 0 steps committed since
-    it last ran) and ends at the row's next catch-up; a row that finishes, or has not been caught up again yet, is
-    a censored run. With exponential run lengths the estimate is tokens / ended runs over all runs (the
-    censored-data maximum likelihood), both counts discounted by γ at each ended run and starting at one run of
-    `prior` tokens; capped at `prior`."""
-
-    def __init__(self, prior: float, decay: float):
-        self.prior = float(prior)
-        self.decay = decay
-        self.tokens = self.prior  # discounted tokens committed in speculating steps of runs with a catch-up
-        self.ended = 1.0  # discounted runs a catch-up ended
-        self._open: set[Hashable] = set()  # rows whose run started with a catch-up
-
-    @property
-    def value(self) -> float:
-        return min(self.prior, self.tokens / self.ended)
-
-    def observe(self, rid: Hashable, caught_up: bool, tokens: int) -> None:
-        """A speculating step of row `rid`: whether it ran a catch-up first, and the tokens it committed."""
-        if caught_up:
-            if rid in self._open:  # the run before ends here
-                self.tokens *= self.decay
-                self.ended = self.decay * self.ended + 1.0
-            self._open.add(rid)
-        if rid in self._open:
-            self.tokens += tokens
-
-    def forget(self, rid: Hashable) -> None:
-        """The row finished: its run is censored (its tokens are counted, no end)."""
-        self._open.discard(rid)
-
-
 class GoodputPolicy(Policy):
     """One k for the whole batch (rows capped at their own room)."""
 
@@ -265,7 +218,6 @@ class GoodputPolicy(Policy):
         # decisions chosen but not yet observed (the overlapped loop chooses step t+1 before it observes step t)
         self._pending: collections.deque[_Pending] = collections.deque(maxlen=8)
         self.catch_up_call_s = 0.0  # measured seconds per draft catch-up call (EMA)
-        self.restarts = RestartHorizon(config.catch_up_horizon, config.restart_decay)  # tokens a catch-up buys
         self.decisions = 0  # choose() calls so far (the exploration schedule)
         self.explored = 0  # decisions that ran an exploration option
 
@@ -381,7 +333,7 @@ class GoodputPolicy(Policy):
         """The share of pending draft catch-up a k > 0 step with these row k_i carries (module doc)."""
         total = 0.0
         for i, calls in enumerate(view.catch_up_calls):  # () when the proposer keeps no context
-            horizon = max(1.0, min(view.row_max_k[i] + 1, self.restarts.value))
+            horizon = max(1, min(view.row_max_k[i] + 1, self.config.catch_up_horizon))
             total += calls * self.catch_up_call_s * e[i, row_k[i]] / horizon
         return total
 
@@ -447,8 +399,6 @@ class GoodputPolicy(Policy):
             proposed, accepted = int(result.proposed[i]), int(result.accepted[i])
             if proposed > shape.caps[i]:
                 raise ValueError(f"row {i} verified {proposed} proposals but was allowed {shape.caps[i]}")
-            if view.catch_up_calls and shape.caps[i] > 0:  # a draft that keeps context ran for this row
-                self.restarts.observe(rid, view.catch_up_calls[i] > 0, int(result.counts[i]))
             if tree is not None:  # tree evidence only, from rows at the full envelope
                 if shape.caps[i] == shape.k:
                     self.trees.observe(rid, shape.k, accepted, tree.depth)
@@ -474,7 +424,6 @@ class GoodputPolicy(Policy):
 
     def forget(self, request_id: Hashable) -> None:
         self.acceptance.forget(request_id)
-        self.restarts.forget(request_id)
         self.trees.forget(request_id)
         self.calibration.forget(request_id)
         self.runs.forget(request_id)

@@ -13,7 +13,7 @@ from jaxspec.policy.acceptance import AcceptanceConfig, AcceptanceTracker, expec
 from jaxspec.policy.base import BatchView
 from jaxspec.policy.cost_model import CostModel, CostModelError
 from jaxspec.policy.fixed import FixedPolicy
-from jaxspec.policy.goodput import GoodputConfig, GoodputPerRequestPolicy, GoodputPolicy, RestartHorizon
+from jaxspec.policy.goodput import GoodputConfig, GoodputPerRequestPolicy, GoodputPolicy
 from jaxspec.types import StepResult
 from tests.policy.sim import MENU_B, MENU_K, WINDOWS, allowed_rows, cost_model, linear_cost, run, simulate_result, view
 
@@ -433,44 +433,6 @@ def test_catch_up_cost_is_learned_from_what_the_engine_reports():
     assert p.catch_up_call_s == pytest.approx(4e-3)  # the first measurement is taken whole
     p.observe(v, d, dataclasses.replace(caught_up, catch_up_s=16e-3), elapsed_s=20e-3)
     assert p.catch_up_call_s == pytest.approx(0.7 * 4e-3 + 0.3 * 8e-3)
-
-
-def test_restart_horizon_is_tokens_per_ended_run_with_censored_runs_counted():
-    h = RestartHorizon(prior=32, decay=1.0)
-    assert h.value == 32  # one run of the prior
-    h.observe("a", caught_up=True, tokens=3)  # a run starts: its tokens count, no end yet
-    h.observe("a", caught_up=False, tokens=2)
-    h.observe("b", caught_up=False, tokens=9)  # never caught up: not a run a catch-up bought
-    assert h.value == 32  # capped at the prior: (32 + 5) / 1
-    h.observe("a", caught_up=True, tokens=1)  # the next catch-up ends a's run of 5 tokens
-    assert h.value == pytest.approx((32 + 5 + 1) / 2)
-    h.forget("a")  # finished: censored, counted without an end
-    h.observe("a", caught_up=False, tokens=4)  # (not a run any more)
-    assert h.value == pytest.approx((32 + 5 + 1) / 2)
-    for _ in range(50):  # every run ends after 2 tokens
-        h.observe("c", caught_up=True, tokens=2)
-    assert h.value == pytest.approx((32 + 6 + 100) / 51)
-    forgetting = RestartHorizon(prior=32, decay=0.5)
-    for _ in range(30):
-        forgetting.observe("c", caught_up=True, tokens=2)
-    assert forgetting.value == pytest.approx(2.0, rel=1e-3)  # the prior and old runs fade
-
-
-def test_a_policy_whose_restarts_buy_few_tokens_prices_them_so():
-    """With the assumed horizon, a pending catch-up of one call per row is amortised over 32 tokens and k > 0
-    wins; once catch-ups are seen to end runs after 2 tokens, each costs 1/2 of a call per token and k = 0 wins."""
-    p = policy([0.45] * 4)
-    v = view(4, caps=(64,) * 4)
-    p.catch_up_call_s = 8e-3
-    assert p.choose(_with_catch_up(v, [1] * 4)).k > 0
-    for _ in range(20):  # every speculating step of every row starts with a catch-up and commits 2 tokens
-        d = p.choose(_with_catch_up(v, [0] * 4))
-        d = dataclasses.replace(d, k=1, row_k=None)
-        p.observe(_with_catch_up(v, [1] * 4), d, StepResult(tokens=np.zeros((4, 2), np.int32), counts=np.full(4, 2),
-                                                            proposed=np.ones(4, np.int64)), elapsed_s=0.0)
-    assert p.restarts.value < 3
-    assert p.choose(_with_catch_up(v, [1] * 4)).k == 0
-    assert p.choose(_with_catch_up(v, [0] * 4)).k > 0  # nothing pending: the horizon changes nothing
 
 
 # --- cold start -------------------------------------------------------------------------------
