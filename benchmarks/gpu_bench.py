@@ -9,7 +9,8 @@ NoisyProposer(α) over a draft model — `--draft self` (the target itself: acce
 T = 0) or `truncated:N` (its first N layers, cheaper, acceptance ≤ α). Prompts are the benchmark
 workloads as byte ids folded into the vocabulary (no tokenizer), outputs `--max-tokens` long
 (ignore_eos). Then the same open-loop sweep as `jaxspec bench` (jaxspec/bench/cli.py: service rate
-measured, Poisson rates as fractions of it, policies none / fixed / goodput). A preset that does
+measured, Poisson rates as fractions of it, policies none / fixed / goodput; with `--repeats R` goodput's ratio to
+the best fixed k gets a 95 % paired interval, with `--slice S` the policies take turns). A preset that does
 not fit the device memory is skipped with the error recorded. Writes gpu_bench.json (+ markdown
 and figures per preset) into --out.
 """
@@ -23,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from jaxspec.bench.cli import Settings, _floats, _ints, _strs, check_goals, markdown_table, sweep
+from jaxspec.bench.cli import Settings, _floats, _ints, _strs, _whole_pages, check_goals, markdown_table, sweep
 
 
 def main(argv=None) -> int:
@@ -40,6 +41,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--capacity", type=int, default=16)
     parser.add_argument("--k-menu", type=_ints, default=(0, 1, 2, 3, 4, 5))
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every cell with the same arrivals (paired): goodput's ratio to the best fixed k "
+                             "gets a 95 %% interval (issue 46)")
+    parser.add_argument("--slice", type=float, default=0.0, dest="slice_s",
+                        help="a cell's policies run at once, taking turns of this many seconds (0: one after another)")
     parser.add_argument("--quick", action="store_true", help="CPU smoke: 2 workloads, 2 rates, tiny sizes")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
@@ -69,8 +75,9 @@ def main(argv=None) -> int:
         requests=3 if q else args.requests, max_tokens=8 if q else args.max_tokens,
         max_prompt_tokens=min(args.max_prompt_tokens, 200) if q else args.max_prompt_tokens,
         capacity=2 if q else args.capacity, k_menu=(0, 1, 3) if q else args.k_menu,
-        max_len=0, ignore_eos=True, seed=args.seed, quick=q, progress=not q)
-    settings.max_len = settings.max_prompt_tokens + settings.max_tokens + max(settings.k_menu) + 16
+        max_len=0, ignore_eos=True, seed=args.seed, quick=q, progress=not q, repeats=args.repeats,
+        slice_s=args.slice_s)
+    settings.max_len = _whole_pages(settings.max_prompt_tokens + settings.max_tokens + max(settings.k_menu) + 16)
     result = {"meta": {"command": " ".join(sys.argv), "machine": machine(), "devices": [str(d) for d in jax.devices()],
                        "dtype": args.dtype, "alpha": args.alpha, "draft": args.draft},
               "presets": {}}

@@ -143,11 +143,13 @@ if [ "${DECODE_SPEED:-0}" = 1 ]; then  # the earlier floor table: k ∈ {0,2,4,8
     --skip-hf --k-menu 0,2,4,8 --windows 512,2048 --step-repeats 30 --tokens 64 --repeats 3 \
     --out "$OUT/decode_speed.json"
 fi
-if [ "${GOODPUT:-0}" = 1 ]; then  # the goodput benchmark, NoisyProposer(ALPHA) over a truncated self-draft, ≤ 220 s
+if [ "${GOODPUT:-0}" = 1 ]; then  # goodput against every fixed k with intervals (issue 46): NoisyProposer(ALPHA) over
+  # a truncated self-draft, code and chat, Poisson 0.3 / 0.8, 2 paired repeats, the policies taking turns, ≤ 420 s
   for preset in ${PRESETS:-qwen2.5-1.5b}; do
-    stage "gpu_bench_$preset" "${PRESET_LIMIT_S:-220}" "$PY" -m benchmarks.gpu_bench --presets "$preset" \
-      --dtype bfloat16 --alpha "${ALPHA:-0.8}" --draft "${DRAFT:-truncated:2}" --requests 8 --max-tokens 64 \
-      --max-prompt-tokens 160 --capacity 8 --k-menu 0,1,3,5 --fractions 0.3,1.2 --workloads "${WORKLOADS:-code}" \
+    stage "gpu_bench_$preset" "${PRESET_LIMIT_S:-420}" "$PY" -m benchmarks.gpu_bench --presets "$preset" \
+      --dtype "$DTYPE" --alpha "${ALPHA:-0.8}" --draft "${DRAFT:-truncated:2}" --requests 8 --max-tokens 64 \
+      --max-prompt-tokens 160 --capacity 8 --k-menu 0,1,3,5 --fractions 0.3,0.8 --workloads "${WORKLOADS:-code,chat}" \
+      --repeats "${GOODPUT_REPEATS:-2}" --slice "${SLICE:-0.5}" \
       --policies none,fixed:1,fixed:3,fixed:5,goodput --out "$OUT/gpu_bench/$preset"
   done
 fi
