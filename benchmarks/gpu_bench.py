@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from jaxspec.bench.cli import Settings, _floats, _ints, _strs, _whole_pages, check_goals, markdown_table, sweep
+from jaxspec.bench.cli import Settings, _floats, _ints, _strs, bench_max_len, check_goals, markdown_table, sweep
 
 
 def main(argv=None) -> int:
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         capacity=2 if q else args.capacity, k_menu=(0, 1, 3) if q else args.k_menu,
         max_len=0, ignore_eos=True, seed=args.seed, quick=q, progress=not q, repeats=args.repeats,
         slice_s=args.slice_s)
-    settings.max_len = _whole_pages(settings.max_prompt_tokens + settings.max_tokens + max(settings.k_menu) + 16)
+    settings.max_len = bench_max_len(settings.max_prompt_tokens, settings.max_tokens, max(settings.k_menu))
     result = {"meta": {"command": " ".join(sys.argv), "machine": machine(), "devices": [str(d) for d in jax.devices()],
                        "dtype": args.dtype, "alpha": args.alpha, "draft": args.draft},
               "presets": {}}

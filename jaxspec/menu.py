@@ -164,6 +164,11 @@ def smallest_at_least(buckets: Iterable[int], needed: int, what: str) -> int:
 DEFAULT_PAGE_SIZE = 16
 
 
+def whole_pages(positions: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
+    """`positions` rounded up to whole KV pages (every window bucket, `max_len` included, is a multiple of one)."""
+    return -(-positions // page_size) * page_size
+
+
 @dataclasses.dataclass(frozen=True)
 class Menu:
     """The static shape menu and cache size (a named entry of jaxspec/configs/engine.yaml).

@@ -187,7 +187,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         rates=args.rates, fractions=args.load_fractions or ((0.5, 1.3) if q else (0.1, 0.3, 0.6, 0.9, 1.2)),
         closed_loop=args.closed_loop, requests=args.requests or (4 if q else 24), max_tokens=max_tokens,
         max_prompt_tokens=max_prompt, capacity=capacity, k_menu=tuple(args.k_menu),
-        max_len=args.max_len or _whole_pages(max_prompt + max_tokens + max(args.k_menu + tree_k) + 16),
+        max_len=args.max_len or bench_max_len(max_prompt, max_tokens, max(args.k_menu + tree_k)),
         ignore_eos=args.ignore_eos,
         seed=args.seed, quick=q, progress=not args.no_progress,
         draft_only_on=("chat",) if q and args.proposers is None else None, tree=tree,
@@ -195,11 +195,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         decision_log=getattr(args, "decision_log", False))
 
 
-def _whole_pages(positions: int) -> int:
-    """`positions` rounded up to whole KV pages of the default size (every window is a multiple of it)."""
-    from jaxspec.menu import DEFAULT_PAGE_SIZE
+def bench_max_len(max_prompt_tokens: int, max_tokens: int, k_max: int) -> int:
+    """The bench engines' cache length: a whole prompt, its outputs and one step of the menu's largest k, with 16
+    positions to spare, in whole KV pages."""
+    from jaxspec.menu import whole_pages
 
-    return -(-positions // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE
+    return whole_pages(max_prompt_tokens + max_tokens + k_max + 16)
 
 
 def bench_menu(s: Settings):

@@ -186,7 +186,7 @@ def run_peers(model_spec: str | None, built, n_prompts: int = 3, n_tokens: int =
     from jaxspec.bench.common import measured_bandwidth_gbs
     from jaxspec.bench.workloads import load_workload
     from jaxspec.engine.engine import Engine
-    from jaxspec.menu import DEFAULT_PAGE_SIZE, Menu
+    from jaxspec.menu import Menu, whole_pages
     from jaxspec.models.loading import resolve_model
     from jaxspec.serving.runtime import build_policy
     from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
@@ -203,7 +203,7 @@ def run_peers(model_spec: str | None, built, n_prompts: int = 3, n_tokens: int =
                                  max_tokens=n_tokens)
         prompts += [list(p) for p in workload.prompts]
     prompts = prompts[:n_prompts]
-    max_len = -(-(max_prompt_tokens + n_tokens + 16) // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE  # whole KV pages
+    max_len = whole_pages(max_prompt_tokens + n_tokens + 16)
     windows = tuple(sorted({w for w in (256,) if w < max_len} | {max_len}))
     menu = Menu(num_slots=1, max_len=max_len, batch_buckets=(1,), k_menu=(0, 1, 2, 3, 4, 5),
                         window_buckets=windows, prefill_buckets=(64, 256) if max_len >= 256 else (64,))
