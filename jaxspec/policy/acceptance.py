@@ -236,18 +236,6 @@ class RunState:
         self._first = np.zeros((2, 2))  # [state, (accepted, verified)] position 1, proposer-wide, discounted
         self._state: dict[Hashable, int] = {}
         self._requests: dict[Hashable, list[float]] = {}  # request -> discounted [accepted, predicted] position 1
-        self._deep = np.zeros((2, 0, 2))  # [state, position 2.., (accepted, reached)] proposer-wide, discounted
-
-    def deep_factors(self, positions: int) -> np.ndarray:
-        """[2, positions] each state's continuation rate at positions 2..positions+1 over the pooled one (shrunk
-        toward 1 with m pseudo-trials)."""
-        d = np.zeros((2, positions, 2))
-        n = min(positions, self._deep.shape[1])
-        d[:, :n] = self._deep[:, :n]
-        pooled = (d[0, :, 0] + d[1, :, 0] + 1e-9) / (d[0, :, 1] + d[1, :, 1] + 1e-9)  # [P]
-        m = self.config.prior_strength
-        rate = (d[:, :, 0] + m * pooled[None]) / (d[:, :, 1] + m)  # [2, P]
-        return rate / np.maximum(pooled[None], 1e-9)
 
     def observe(self, request_id: Hashable, accepted: int, allowed: int) -> None:
         """One verify of a request allowed `allowed` proposals (a missing one a rejection), `accepted` accepted."""
@@ -259,21 +247,10 @@ class RunState:
         state = self._state.get(request_id, 0)
         predicted = self.state_rates()[state]  # before this evidence
         self._first[state] = c.global_decay * self._first[state] + (accepted >= 1, 1.0)
-        if allowed > 1:  # positions 2..allowed reached once the ones before were accepted
-            if self._deep.shape[1] < allowed - 1:
-                self._deep = np.pad(self._deep, ((0, 0), (0, allowed - 1 - self._deep.shape[1]), (0, 0)))
-            reached = min(accepted, allowed - 1)  # positions 2..reached+1 were verified
-            self._deep[state] *= c.global_decay
-            self._deep[state, :reached, 1] += 1.0
-            self._deep[state, :max(0, accepted - 1), 0] += 1.0
         counts = self._requests.setdefault(request_id, [0.0, 0.0])
         counts[0] = c.request_decay * counts[0] + (accepted >= 1)
         counts[1] = c.request_decay * counts[1] + predicted
         self._state[request_id] = int(accepted == allowed and accepted >= RUN_MIN)
-
-    def state(self, request_id: Hashable) -> int:
-        """1 if the request's last observed verify ended in a copied run, else 0 (a new request: 0)."""
-        return self._state.get(request_id, 0)
 
     def state_rates(self) -> np.ndarray:
         """[2] G_0 (after a rejection), G_1 (after a copied run)."""

@@ -144,10 +144,7 @@ class GoodputConfig:
       "Exploration"); 0 = never.
     explore_margin: ... if the neighbour's predicted goodput is at least (1 − margin) times the best's.
     run_state: with positional rates, price the first proposal by how the row's step before ended and each k by the
-      tokens per step it yields in the long run, once the proposer's steps are shown not alike (see "Runs").
-    run_pricing: with runs priced, "stationary" prices each k by the long-run mix of the two states under it (what
-      fixed:k yields); "state" by the row's own chance of being in a run at the step chosen, from its last observed
-      verify carried through the steps in flight (see "Runs")."""
+      tokens per step it yields in the long run, once the proposer's steps are shown not alike (see "Runs")."""
 
     positional: bool = False
     short_proposal_is_rejection: bool = True
@@ -159,13 +156,10 @@ class GoodputConfig:
     explore_margin: float = 0.25
     run_state: bool = True
     cold_start: str = "first"
-    run_pricing: str = "stationary"
 
     def __post_init__(self):
         if self.cold_start not in ("first", "all"):
             raise ValueError(f"cold_start must be 'first' or 'all', got {self.cold_start!r}")
-        if self.run_pricing not in ("stationary", "state"):
-            raise ValueError(f"run_pricing must be 'stationary' or 'state', got {self.run_pricing!r}")
         if self.explore_every < 0:
             raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
         if not 0.0 <= self.explore_margin < 1.0:
@@ -203,8 +197,6 @@ class _Pending:
     option: Option
     explored: bool
     trials: int
-    request_ids: tuple[Hashable, ...] = ()
-    tree: bool = False
 
 
 class GoodputPolicy(Policy):
@@ -273,18 +265,8 @@ class GoodputPolicy(Policy):
         rates = self.row_rates(view, k_max)  # [n, k_max]
         ones = np.ones((len(view.request_ids), 1))
         if k_max and self.prices_runs(view):
-            first = self.runs.first_rates(view.request_ids)  # [n, 2]
-            if self.config.run_pricing == "state":
-                if k_max > 1:  # the deeper positions by state too
-                    f = self.runs.deep_factors(k_max - 1)  # [2, k_max-1]
-                    rates = np.stack([rates, rates], axis=1)  # [n, 2, k_max]
-                    rates[:, :, 1:] = np.clip(rates[:, :, 1:] * f[None], 0.0, 1.0)
-                in_run = self.run_chances(view.request_ids, rates, first)[:, None]  # [n, 1]
-                tokens = self.state_tokens(rates, first)[0]  # [n, 2, k_max]
-                mixed = in_run * tokens[:, 1] + (1.0 - in_run) * tokens[:, 0]  # [n, k_max]
-            else:
-                mixed = self.run_expectations(rates, first)
-            return np.concatenate([ones, mixed], axis=1)
+            return np.concatenate([ones, self.run_expectations(rates, self.runs.first_rates(view.request_ids))],
+                                  axis=1)
         reach = np.cumprod(rates, axis=1)  # [n, k_max] P(proposals 1..d all accepted)
         return np.concatenate([ones, 1.0 + np.cumsum(reach, axis=1)], axis=1)
 
@@ -294,45 +276,18 @@ class GoodputPolicy(Policy):
                 and self.acceptance.global_trials >= self.config.explore_trials and self.runs.separated())
 
     @staticmethod
-    def state_tokens(rates: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """From positional rates [n, J] (positions ≥ 2 used) and the first position's rate after a rejection and
-        after a copied run [n, 2]: the tokens per step E_s(j) of running j = 1..J from state s [n, 2, J], and the
-        chance that step ends in a copied run, all j accepted with j ≥ RUN_MIN [n, 2, J] (module doc, "Runs")."""
-        by_state = np.repeat(rates[:, None, :], 2, axis=1) if rates.ndim == 2 else rates.copy()  # [n, 2, J]
+    def run_expectations(rates: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """[n, J] long-run tokens per step of running j = 1..J, from positional rates [n, J] (positions ≥ 2 used)
+        and the first position's rate after a rejection and after a copied run [n, 2] (module doc, "Runs")."""
+        by_state = np.repeat(rates[:, None, :], 2, axis=1)  # [n, 2, J]
         by_state[:, :, 0] = first
         reach = np.cumprod(by_state, axis=2)  # [n, 2, J] P(proposals 1..d accepted | state)
         tokens = 1.0 + np.cumsum(reach, axis=2)  # [n, 2, J] E_s(j)
-        run = reach.copy()  # [n, 2, J]
+        run = reach.copy()  # [n, 2, J] P(a copied run at j | state): all j accepted, j ≥ RUN_MIN
         run[:, :, :RUN_MIN - 1] = 0.0
-        return tokens, run
-
-    @classmethod
-    def run_expectations(cls, rates: np.ndarray, first: np.ndarray) -> np.ndarray:
-        """[n, J] long-run tokens per step of running j = 1..J (`state_tokens`' arguments; module doc, "Runs")."""
-        tokens, run = cls.state_tokens(rates, first)  # [n, 2, J] each
         leave, enter = 1.0 - run[:, 1], run[:, 0]  # [n, J] P(run -> no run), P(no run -> run)
         in_run = np.where(leave + enter > 1e-12, enter / np.maximum(leave + enter, 1e-12), 1.0)  # [n, J] stationary
         return in_run * tokens[:, 1] + (1.0 - in_run) * tokens[:, 0]  # [n, J]
-
-    def run_chances(self, request_ids, rates: np.ndarray, first: np.ndarray) -> np.ndarray:
-        """[n] each row's chance of being in a copied run at the step being chosen: the state its last observed
-        verify left it in, carried through the chain steps in flight that hold it (a step capped at c ends in a
-        run with the chance `state_tokens` gives for c; k = 0 and tree steps leave the state as it was)."""
-        chance = np.array([float(self.runs.state(r)) for r in request_ids])  # [n]
-        if not self._pending:
-            return chance
-        _, run = self.state_tokens(rates, first)  # [n, 2, J]
-        row = {r: i for i, r in enumerate(request_ids)}
-        for pending in self._pending:  # oldest first
-            if pending.tree:
-                continue
-            for rid, cap in zip(pending.request_ids, pending.option.shape.caps):
-                i = row.get(rid)
-                if i is None or cap == 0:
-                    continue
-                j = min(cap, run.shape[2]) - 1
-                chance[i] = chance[i] * run[i, 1, j] + (1.0 - chance[i]) * run[i, 0, j]
-        return chance
 
     def shape(self, view: BatchView, k: int, row_caps=None) -> StepShape:
         """The shape a step at padded k runs at, rows capped at `row_caps` (default: their room)."""
@@ -429,9 +384,8 @@ class GoodputPolicy(Policy):
         opts = self.options(view)
         option, explored = self.pick(opts)
         decision = self.decision(option, opts)
-        tree = view.tree_at(option.shape.k) is not None
-        trials = 0 if tree else sum(1 for c in option.row_k if c > 0)
-        self._pending.append(_Pending(decision, option, explored, trials, tuple(view.request_ids), tree))
+        trials = 0 if view.tree_at(option.shape.k) is not None else sum(1 for c in option.row_k if c > 0)
+        self._pending.append(_Pending(decision, option, explored, trials))
         return decision
 
     def observe(self, view: BatchView, decision: Decision, result: StepResult, elapsed_s: float) -> None:
