@@ -9,8 +9,12 @@ Then goodput's time outside its priced steps and its prefills, per step: (Σ lat
 P(accept j | 1..j−1 accepted) its steps measured (a missing proposal a rejection), and per policy of the cell the
 totals (fixed policies keep no log): Σ latency, steps, tokens per step. `all_accepted_priced`: the k > 0 steps
 priced as if every proposal would be accepted (the cold start before it priced the first proposal alone so), their
-share of the logged step seconds and their tokens per second against the other steps'. `--json OUT` writes every
-cell's report.
+share of the logged step seconds and their tokens per second against the other steps'. `speculating_runs`: the
+stretches of consecutive k > 0 steps (their count, mean length, longest, and what ended each: the next step's batch
+grew, or at the same batch the last speculating step had accepted nothing or something) and the batch sizes the
+k > 0 steps ran at,
+with the cell's draft catch-up calls and seconds: a catch-up is priced over up to 32 of the row's tokens, and a
+stretch shorter than that paid it over fewer. `--json OUT` writes every cell's report.
 """
 
 from __future__ import annotations
@@ -80,7 +84,32 @@ def cell_report(cell: list[dict]) -> dict:
                     "tokens_per_s": optimistic["tokens"] / optimistic["seconds"] if optimistic["seconds"] else None,
                     "others_tokens_per_s": rest_tokens / rest_seconds if rest_seconds else None}
     return {"per_k": ks, "policies": totals, "goodput_outside_steps_per_step_s": unpriced,
-            "acceptance_by_position": positions, "all_accepted_priced": all_accepted}
+            "acceptance_by_position": positions, "all_accepted_priced": all_accepted,
+            "speculating_runs": speculating_runs(g)}
+
+
+def speculating_runs(goodput: dict) -> dict:
+    """Stretches of consecutive k > 0 steps in goodput's decision logs, the batch sizes of its k > 0 steps and the
+    cell's draft catch-ups."""
+    lengths, batches, ended = [], collections.Counter(), collections.Counter()
+    for log in goodput.get("decision_logs", []):
+        run, last = 0, None
+        for d in log:
+            if d["k"] > 0:
+                run += 1
+                batches[d["batch"]] += 1
+            elif run:
+                lengths.append(run)
+                run = 0
+                ended["batch_grew" if d["batch"] > last["batch"] else
+                      "rejected" if last["accepted"] == 0 else "accepted"] += 1
+            last = d
+        if run:
+            lengths.append(run)
+    return {"count": len(lengths), "mean_length": sum(lengths) / len(lengths) if lengths else None,
+            "longest": max(lengths, default=0), "ended_by": dict(ended),
+            "steps_by_batch": dict(sorted(batches.items())),
+            "catch_up_calls": goodput.get("catch_up_calls"), "catch_up_s": goodput.get("catch_up_s")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
               f"ms per step")
         print("  P(accept j | 1..j-1), trials: " + ", ".join(f"{j}: {a:.2f} ({n})"
                                                               for j, (a, n) in rep["acceptance_by_position"].items()))
+        runs = rep["speculating_runs"]
+        if runs["count"]:
+            print(f"  speculating runs: {runs['count']}, mean {runs['mean_length']:.1f} steps, longest "
+                  f"{runs['longest']}, ended by {runs['ended_by']}; k > 0 steps by batch {runs['steps_by_batch']}; "
+                  f"catch-up "
+                  f"{runs['catch_up_calls']} calls, {runs['catch_up_s'] or 0.0:.3f} s")
         opt = rep["all_accepted_priced"]
         if opt["steps"]:
             print(f"  priced all accepted: {opt['steps']} steps, {100 * opt['seconds_share']:.1f} % of step seconds, "

@@ -62,3 +62,31 @@ def test_bad_input_is_refused():
         ratio_interval(np.ones((1, 2, 3)), np.ones((1, 2, 3)))
     assert RatioInterval(1.0, 1.021, 1.1, 0.95).verdict() == "miss"
     assert RatioInterval(1.0, 0.9, 0.979, 0.95).verdict() == "better"
+
+
+def test_interval_parts_tells_a_request_effect_from_a_repeat_effect():
+    """benchmarks/interval_parts.py: when only requests differ in how they favour a policy (every repeat alike),
+    resampling the repeats alone gives a point and resampling the requests alone the whole spread; when only
+    repeats differ, the other way round."""
+    from benchmarks.interval_parts import cell_parts, one_way
+
+    rng = np.random.default_rng(5)
+    base = np.repeat(rng.uniform(1.0, 3.0, size=(1, 16)), 8, axis=0)  # [R, n]: every repeat alike
+    by_request = base * rng.uniform(0.8, 1.2, size=(1, 16))  # each request favoured or not, in every repeat
+    lo, hi = one_way(by_request, base, axis=0)
+    assert lo == pytest.approx(hi)
+    lo, hi = one_way(by_request, base, axis=1)
+    assert hi - lo > 0.05
+    by_repeat = base * rng.uniform(0.8, 1.2, size=(8, 1))  # each repeat faster or slower, all its requests alike
+    lo, hi = one_way(by_repeat, base, axis=1)
+    assert lo == pytest.approx(hi)
+    lo, hi = one_way(by_repeat, base, axis=0)
+    assert hi - lo > 0.05
+
+    record = {"latencies_s": by_request.tolist()}
+    parts = cell_parts(record, {"latencies_s": base.tolist()})
+    assert parts["repeats_x_requests"] == [8, 16]
+    ratios = by_request[0] / base[0]  # [n]
+    assert parts["per_request"] == pytest.approx([ratios.min(), ratios.max()])
+    assert parts["per_repeat"][1] == pytest.approx(0.0, abs=1e-12)
+    assert parts["both"][0] <= parts["ratio"] <= parts["both"][1]
