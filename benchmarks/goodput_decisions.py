@@ -11,10 +11,9 @@ totals (fixed policies keep no log): Σ latency, steps, tokens per step. `all_ac
 priced as if every proposal would be accepted (the cold start before it priced the first proposal alone so), their
 share of the logged step seconds and their tokens per second against the other steps'. `speculating_runs`: the
 stretches of consecutive k > 0 steps (their count, mean length, longest, and what ended each: the next step's batch
-grew, or at the same batch the last speculating step had accepted nothing or something) and the batch sizes the
-k > 0 steps ran at,
-with the cell's draft catch-up calls and seconds: a catch-up is priced over up to 32 of the row's tokens, and a
-stretch shorter than that paid it over fewer. `--json OUT` writes every cell's report.
+grew, or at the same batch the last speculating step had accepted nothing or something), the batch sizes the k > 0
+steps ran at, and the cell's draft catch-up calls and seconds: a catch-up is priced over up to 32 of the row's
+tokens, and a stretch shorter than that paid it over fewer. `--json OUT` writes every cell's report.
 """
 
 from __future__ import annotations
@@ -143,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if runs["count"]:
             print(f"  speculating runs: {runs['count']}, mean {runs['mean_length']:.1f} steps, longest "
                   f"{runs['longest']}, ended by {runs['ended_by']}; k > 0 steps by batch {runs['steps_by_batch']}; "
-                  f"catch-up "
-                  f"{runs['catch_up_calls']} calls, {runs['catch_up_s'] or 0.0:.3f} s")
+                  f"catch-up {runs['catch_up_calls']} calls, {runs['catch_up_s'] or 0.0:.3f} s")
         opt = rep["all_accepted_priced"]
         if opt["steps"]:
             print(f"  priced all accepted: {opt['steps']} steps, {100 * opt['seconds_share']:.1f} % of step seconds, "

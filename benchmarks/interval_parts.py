@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxspec.bench.cli import paired_latencies
+from jaxspec.bench.common import write_json
 from jaxspec.bench.intervals import LEVEL, RESAMPLES, ratio_interval
 
 
@@ -42,6 +43,7 @@ def one_way(x: np.ndarray, y: np.ndarray, axis: int, seed: int = 0) -> list[floa
 
 
 def cell_parts(goodput: dict, best: dict) -> dict | None:
+    """The module doc's measures for goodput's record against the best fixed choice's (None without latencies)."""
     pair = paired_latencies(goodput, best)
     if pair is None:
         return None
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
                   f"{parts['per_request'][0]:.3f}-{parts['per_request'][1]:.3f}, per repeat "
                   f"{parts['per_repeat'][0]:.3f} ± {parts['per_repeat'][1]:.3f}")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        write_json(args.json, out)
     return 0
 
 
