@@ -13,7 +13,7 @@ that draws it. Per cell, goodput against the cell's best fixed choice (`checks.g
 - `per_request`: each request's ratio of mean latencies over the repeats (min, max), and `per_repeat` each repeat's
   ratio (mean, standard deviation).
 
-Same resample count, level and seed as the bench's.
+All three from `jaxspec.bench.intervals.ratio_interval` (`over`), with the bench's resample count, level and seed.
 """
 
 from __future__ import annotations
@@ -23,23 +23,9 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from jaxspec.bench.cli import paired_latencies
 from jaxspec.bench.common import write_json
-from jaxspec.bench.intervals import LEVEL, RESAMPLES, ratio_interval
-
-
-def one_way(x: np.ndarray, y: np.ndarray, axis: int, seed: int = 0) -> list[float]:
-    """[low, high] of mean(x) / mean(y) with only `axis` (0: repeats, 1: requests) of [R, n] resampled, paired."""
-    rng = np.random.default_rng(seed)
-    size = x.shape[axis]
-    idx = rng.integers(0, size, size=(RESAMPLES, size))  # [B, size]
-    xs, ys = np.take(x, idx, axis=axis), np.take(y, idx, axis=axis)  # [B, R, n] (axis 0) or [R, B, n] (axis 1)
-    over = (1, 2) if axis == 0 else (0, 2)
-    ratios = xs.mean(axis=over) / ys.mean(axis=over)  # [B]
-    tail = 100.0 * (1.0 - LEVEL) / 2.0
-    return [float(v) for v in np.percentile(ratios, [tail, 100.0 - tail])]
+from jaxspec.bench.intervals import ratio_interval
 
 
 def cell_parts(goodput: dict, best: dict) -> dict | None:
@@ -48,11 +34,11 @@ def cell_parts(goodput: dict, best: dict) -> dict | None:
     if pair is None:
         return None
     x, y = pair  # [R, n] each
-    both = ratio_interval(x, y)
+    both, repeats, requests = (ratio_interval(x, y, over=over) for over in ("both", "repeats", "requests"))
     per_request = x.mean(axis=0) / y.mean(axis=0)  # [n]
     per_repeat = x.mean(axis=1) / y.mean(axis=1)  # [R]
     return {"repeats_x_requests": list(x.shape), "ratio": both.ratio, "both": [both.low, both.high],
-            "repeats": one_way(x, y, 0), "requests": one_way(x, y, 1),
+            "repeats": [repeats.low, repeats.high], "requests": [requests.low, requests.high],
             "per_request": [float(per_request.min()), float(per_request.max())],
             "per_repeat": [float(per_repeat.mean()), float(per_repeat.std())]}
 

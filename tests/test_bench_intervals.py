@@ -64,24 +64,26 @@ def test_bad_input_is_refused():
     assert RatioInterval(1.0, 0.9, 0.979, 0.95).verdict() == "better"
 
 
-def test_interval_parts_tells_a_request_effect_from_a_repeat_effect():
-    """benchmarks/interval_parts.py: when only requests differ in how they favour a policy (every repeat alike),
-    resampling the repeats alone gives a point and resampling the requests alone the whole spread; when only
-    repeats differ, the other way round."""
-    from benchmarks.interval_parts import cell_parts, one_way
+def test_resampling_one_factor_tells_a_request_effect_from_a_repeat_effect():
+    """ratio_interval(over=...), as benchmarks/interval_parts.py reads it: when only requests differ in how they
+    favour a policy (every repeat alike), resampling the repeats alone gives a point and resampling the requests
+    alone the whole spread; when only repeats differ, the other way round."""
+    from benchmarks.interval_parts import cell_parts
 
     rng = np.random.default_rng(5)
     base = np.repeat(rng.uniform(1.0, 3.0, size=(1, 16)), 8, axis=0)  # [R, n]: every repeat alike
     by_request = base * rng.uniform(0.8, 1.2, size=(1, 16))  # each request favoured or not, in every repeat
-    lo, hi = one_way(by_request, base, axis=0)
-    assert lo == pytest.approx(hi)
-    lo, hi = one_way(by_request, base, axis=1)
-    assert hi - lo > 0.05
+    iv = ratio_interval(by_request, base, over="repeats")
+    assert iv.low == pytest.approx(iv.high)
+    iv = ratio_interval(by_request, base, over="requests")
+    assert iv.high - iv.low > 0.05
     by_repeat = base * rng.uniform(0.8, 1.2, size=(8, 1))  # each repeat faster or slower, all its requests alike
-    lo, hi = one_way(by_repeat, base, axis=1)
-    assert lo == pytest.approx(hi)
-    lo, hi = one_way(by_repeat, base, axis=0)
-    assert hi - lo > 0.05
+    iv = ratio_interval(by_repeat, base, over="requests")
+    assert iv.low == pytest.approx(iv.high)
+    iv = ratio_interval(by_repeat, base, over="repeats")
+    assert iv.high - iv.low > 0.05
+    with pytest.raises(ValueError, match="over"):
+        ratio_interval(base, base, over="prompts")
 
     record = {"latencies_s": by_request.tolist()}
     parts = cell_parts(record, {"latencies_s": base.tolist()})
@@ -90,3 +92,4 @@ def test_interval_parts_tells_a_request_effect_from_a_repeat_effect():
     assert parts["per_request"] == pytest.approx([ratios.min(), ratios.max()])
     assert parts["per_repeat"][1] == pytest.approx(0.0, abs=1e-12)
     assert parts["both"][0] <= parts["ratio"] <= parts["both"][1]
+    assert parts["repeats"][0] == pytest.approx(parts["repeats"][1])

@@ -60,10 +60,12 @@ def _resampled_means(x: np.ndarray, rep_idx: np.ndarray, req_idx: np.ndarray) ->
 
 
 def ratio_interval(policy, baseline, *, paired: bool = True, resamples: int = RESAMPLES, level: float = LEVEL,
-                   seed: int = 0) -> RatioInterval:
+                   seed: int = 0, over: str = "both") -> RatioInterval:
     """mean(policy) / mean(baseline) with its bootstrap interval (module doc). `policy`, `baseline`: [R, n] (or
     [n] for one repeat) latencies, row r and column q the same repeat and request in both. paired=False draws the
-    baseline's indices independently (the interval an unpaired comparison would give)."""
+    baseline's indices independently (the interval an unpaired comparison would give). `over`: what is resampled,
+    "both" (the bench's interval), or "repeats" or "requests" alone (the other kept whole: what more of each would
+    narrow, benchmarks/interval_parts.py)."""
     x, y = _matrix(policy, "policy"), _matrix(baseline, "baseline")
     if x.shape != y.shape:
         raise ValueError(f"policy {x.shape} and baseline {y.shape} must hold the same repeats and requests")
@@ -71,11 +73,19 @@ def ratio_interval(policy, baseline, *, paired: bool = True, resamples: int = RE
         raise ValueError("the baseline's mean latency must be > 0")
     if resamples < 1 or not 0.0 < level < 1.0:
         raise ValueError(f"need resamples >= 1 and 0 < level < 1, got {resamples}, {level}")
+    if over not in ("both", "repeats", "requests"):
+        raise ValueError(f"over must be 'both', 'repeats' or 'requests', got {over!r}")
     rng = np.random.default_rng(seed)
     r, n = x.shape
 
+    def axis(size: int, drawn: bool) -> np.ndarray:
+        """[resamples, size] indices: drawn with replacement, or every index once (kept whole)."""
+        if drawn:
+            return rng.integers(0, size, size=(resamples, size))
+        return np.broadcast_to(np.arange(size), (resamples, size))
+
     def draw():
-        return rng.integers(0, r, size=(resamples, r)), rng.integers(0, n, size=(resamples, n))
+        return axis(r, over != "requests"), axis(n, over != "repeats")
 
     rep_x, req_x = draw()
     rep_y, req_y = (rep_x, req_x) if paired else draw()
