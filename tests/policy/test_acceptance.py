@@ -153,7 +153,7 @@ def test_a_request_s_rare_deep_positions_shrink_toward_the_proposer_s():
     """One rejection at position 4 of a new request moves its α_4 by at most a fifth of the way (m = 4
     pseudo-trials at the proposer's rate), however old the request: no warm start that its first trials override."""
     rng = np.random.default_rng(8)
-    tracker = AcceptanceTracker(AcceptanceConfig(prior_strength=4.0, max_positions=8))
+    tracker = AcceptanceTracker(AcceptanceConfig(prior_strength=4.0, max_prior_strength=4.0, max_positions=8))
     for rid in range(30):
         for _ in range(20):
             a = 0
@@ -224,3 +224,72 @@ def test_run_state_ignores_k0_steps_and_rejects_bad_counts():
     assert runs._first[1, 1] == 1.0 and runs._first[0, 1] == 1.0  # one verify after a rejection, one after a run
     with pytest.raises(ValueError):
         runs.observe("r", 3, 2)
+
+
+def _run_requests(tracker, rates, verifies, rng, start=0):
+    """Requests with these first-proposal rates, each verifying one proposal `verifies` times, then finished."""
+    for i, alpha in enumerate(rates):
+        for _ in range(verifies):
+            tracker.observe(start + i, int(rng.random() < alpha), 1)
+        tracker.forget(start + i)
+
+
+def test_alike_requests_raise_the_shrinkage_and_unlike_ones_keep_it():
+    """A token draft's requests accept alike (0.2 each): the weight that predicts their verifies best is the
+    grid's largest, so a new request's one accepted verify moves its first rate by little (with m = 4 it would be
+    (1 + 4·0.2) / 5 = 0.36). Requests that differ (0.05 and 0.95, prompt lookup's copy-or-not) keep the configured
+    4, and max_prior_strength = prior_strength turns the measurement off."""
+    rng = np.random.default_rng(5)
+    alike = AcceptanceTracker()
+    assert alike.request_strength == 4.0  # no evidence: the configured weight
+    _run_requests(alike, [0.2] * 16, 30, rng)
+    assert alike.request_strength == 64.0
+    alike.observe("new", 1, 1)
+    alike.observe("new", 1, 1)  # discounted: 0.9 + 1 accepted of 0.9 + 1 verified
+    g = alike.global_position_alphas()[0]
+    assert alike.position_alphas("new")[0] == pytest.approx((1.9 + 64 * g) / (1.9 + 64))
+
+    unlike = AcceptanceTracker()
+    _run_requests(unlike, [0.05, 0.95] * 8, 30, rng)
+    assert unlike.request_strength == 4.0
+    unlike.observe("new", 1, 1)
+    unlike.observe("new", 1, 1)  # discounted: 0.9 + 1 accepted of 0.9 + 1 verified
+    g = unlike.global_position_alphas()[0]
+    assert unlike.position_alphas("new")[0] == pytest.approx((1.9 + 4 * g) / (1.9 + 4))
+
+    fixed = AcceptanceTracker(AcceptanceConfig(max_prior_strength=4.0))
+    _run_requests(fixed, [0.2] * 16, 30, rng)
+    assert fixed.request_strength == 4.0
+
+
+def test_the_shrinkage_is_scored_on_the_verifies_a_policy_chose():
+    """A policy speculates on a request only while its rate looks high: with m = 4 a lucky verify lifts a 0.15 draft's
+    request over a 0.25 threshold and its next verifies come from that selection. Scoring the weights on exactly
+    those verifies (the ones chosen) still finds the large one, and the chosen steps' predicted rate then comes within
+    0.05 of what they realise (with m fixed at 4 it overpredicts by more)."""
+    def run(config):
+        rng, tracker, predicted, realised = np.random.default_rng(2), AcceptanceTracker(config), [], []
+        for rid in range(128):
+            for step in range(31):
+                rate = 1.0 if tracker.global_trials < 8 else tracker.position_alphas(rid)[0]
+                if rate > 0.25 or (step % 16 == 0 and rid % 2 == 0):  # chosen, or explored now and then
+                    accepted = int(rng.random() < 0.15)
+                    tracker.observe(rid, accepted, 1)
+                    if tracker.global_trials > 8:
+                        predicted.append(rate)
+                        realised.append(accepted)
+                else:
+                    tracker.observe(rid, 0, 0)
+            tracker.forget(rid)
+        return tracker.request_strength, np.mean(predicted) - np.mean(realised)
+
+    strength, bias = run(AcceptanceConfig())
+    fixed_strength, fixed_bias = run(AcceptanceConfig(max_prior_strength=4.0))
+    assert strength == 64.0 and fixed_strength == 4.0
+    assert abs(bias) < 0.05 < fixed_bias
+
+
+def test_measured_strength_settings_are_checked():
+    with pytest.raises(ValueError):
+        AcceptanceConfig(max_prior_strength=2.0)
+    assert AcceptanceConfig(prior_strength=4.0, max_prior_strength=40.0).strengths.tolist() == [4, 8, 16, 32]
