@@ -503,26 +503,28 @@ def test_the_cold_start_counts_the_trials_of_the_steps_in_flight():
 _LOOKUP_COST = linear_cost(step=10e-3, per_token=0.6e-3, draft_step=0.0)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_all_or_nothing_proposals_reach_the_best_fixed_k_with_the_shipped_defaults(seed):
+def test_all_or_nothing_proposals_reach_the_best_fixed_k_with_the_shipped_defaults():
     """Prompt lookup finds a match (then is mostly right: α = 0.85 per token) 30 % of the time: P(accept 1) is
     0.26, later positions 0.85. One α per request pools them (≈ 0.4) and prices a long k as nearly worthless, so
     the policy settled on k = 2 (9 % below fixed k = 8, as the bench's decision logs showed on code and chat: the
     realised tokens of k ≥ 2 above the predicted); per-position rates price the chain as it is (the shipped
-    default, jaxspec/configs/policy.yaml)."""
+    default, jaxspec/configs/policy.yaml). Six seeds: on average within 3 % of the best fixed k chosen in
+    hindsight per seed, each within 5 % (one seed's run moves by ±2 points with any change to the choices)."""
     from jaxspec.policy.registry import make_policy
     from tests.policy.sim import lookup_result
 
-    alphas, simulate = [0.85], lookup_result(match=0.3)
-    p = make_policy("goodput", cost_model=cost_model(_LOOKUP_COST))
-    result = run(p, lambda t: alphas, 800, _LOOKUP_COST, seed=seed, simulate=simulate)
-
-    best = max(run(FixedPolicy(k), lambda t: alphas, 800, _LOOKUP_COST, seed=seed, simulate=simulate)["goodput"]
-               for k in MENU_K)
+    alphas, ratios = [0.85], []
+    for seed in range(6):
+        simulate = lookup_result(match=0.3)
+        p = make_policy("goodput", cost_model=cost_model(_LOOKUP_COST))
+        result = run(p, lambda t: alphas, 800, _LOOKUP_COST, seed=seed, simulate=simulate)
+        best = max(run(FixedPolicy(k), lambda t: alphas, 800, _LOOKUP_COST, seed=seed, simulate=simulate)["goodput"]
+                   for k in MENU_K)
+        ratios.append(result["goodput"] / best)
     # before: 12-24 % below (one α per request), 10-17 % with per-position rates whose unreached depths stayed
     # at the uninformed prior 0.5 and whose request estimates were a fading warm start (tests/policy/
-    # test_acceptance.py); now 1-3 %: exploration and estimation noise near a flat optimum (k = 5..8)
-    assert result["goodput"] >= 0.96 * best
+    # test_acceptance.py); now 1-4 %: exploration and estimation noise near a flat optimum (k = 5..8)
+    assert np.mean(ratios) >= 0.97 and min(ratios) >= 0.95, ratios
 
 
 def test_the_log_keeps_predictions_when_the_next_step_is_chosen_before_this_one_is_observed():
