@@ -74,10 +74,10 @@ class AcceptanceConfig:
     global_decay:    γ per observation for the proposer-wide counts (longer memory).
     max_positions:   positions tracked for per-position rates.
     idle_decay:      γ_idle per k = 0 step relaxing a request toward the global prior (1 = off).
-    max_prior_strength: the largest weight scored for a request's per-position rates' shrinkage toward its
-                     proposer's (prior_strength doubled up to it; = prior_strength: never measured; module doc).
     run_min_z:       standard errors by which the first position's rate after a copied run must differ from its
                      rate after a rejection before `RunState` prices steps by it.
+    max_prior_strength: the largest weight scored for a request's per-position rates' shrinkage toward its
+                     proposer's (prior_strength doubled up to it; = prior_strength: never measured; module doc).
     """
 
     initial_alpha: float = 0.5
@@ -192,7 +192,7 @@ class AcceptanceTracker:
         if counts is None:  # a new request starts at the proposer's current rates
             counts = self._requests[request_id] = _DiscountedCounts(
                 self.global_alpha(), self.global_position_alphas(), c.prior_strength)
-        elif len(self._strengths) > 1:
+        elif len(self._strengths) > 1:  # (a new request's first verify is predicted alike by every weight)
             self._score_strengths(counts, accepted, proposed)
         counts.add(accepted, proposed, c.request_decay)
         self._global.add(accepted, proposed, c.global_decay)
@@ -204,7 +204,7 @@ class AcceptanceTracker:
         p = min(trials, len(counts.data_s))
         if p == 0:
             return
-        g = self.global_position_alphas()[:p]  # [p]
+        g = self.global_position_alphas(p)  # [p]
         m = self._strengths[:, None]  # [S, 1]
         rates = (counts.data_s[:p] + m * g) / (counts.data_t[:p] + m)  # [S, p] each weight's α_j
         outcome = np.arange(p) < succ  # [p] positions 1..a accepted, a + 1 rejected
@@ -231,10 +231,10 @@ class AcceptanceTracker:
         counts = self._requests.get(request_id)
         return self.global_alpha() if counts is None else counts.alpha
 
-    def global_position_alphas(self) -> np.ndarray:
-        """[P] proposer-wide α̂_j, each shrunk toward the one before it (module doc)."""
+    def global_position_alphas(self, positions: int | None = None) -> np.ndarray:
+        """[P] proposer-wide α̂_j, each shrunk toward the one before it (module doc); the first `positions` only."""
         g, m = self._global, self.config.prior_strength
-        out = np.empty(len(g.data_s))
+        out = np.empty(len(g.data_s) if positions is None else min(positions, len(g.data_s)))
         out[0] = (g.data_s[0] + g.prior_weight * self.config.initial_alpha) / (g.data_t[0] + g.prior_weight)
         for j in range(1, len(out)):
             out[j] = (g.data_s[j] + m * out[j - 1]) / (g.data_t[j] + m)
