@@ -52,6 +52,7 @@ next at 0.36 ((1 + 4·0.2) / (1 + 4)).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -172,8 +173,8 @@ class AcceptanceTracker:
                                          config.prior_strength)
         self._requests: dict[Hashable, _DiscountedCounts] = {}
         self.global_trials = 0  # trials observed so far (undiscounted): the evidence behind α̂_g
-        self._strengths = config.strengths  # [S] the request shrinkage weights scored
-        self._strength_loss = np.zeros(len(self._strengths))  # [S] discounted log loss of each one's predictions
+        self._strengths = config.strengths.tolist()  # [S] the request shrinkage weights scored
+        self._strength_loss = [0.0] * len(self._strengths)  # [S] discounted log loss of each one's predictions
 
     # --- updates ---------------------------------------------------------------------
 
@@ -204,18 +205,23 @@ class AcceptanceTracker:
         p = min(trials, len(counts.data_s))
         if p == 0:
             return
-        g = self.global_position_alphas(p)  # [p]
-        m = self._strengths[:, None]  # [S, 1]
-        rates = (counts.data_s[:p] + m * g) / (counts.data_t[:p] + m)  # [S, p] each weight's α_j
-        outcome = np.arange(p) < succ  # [p] positions 1..a accepted, a + 1 rejected
-        likelihood = np.where(outcome, rates, 1.0 - rates)  # [S, p]
-        loss = -np.log(np.clip(likelihood, 1e-6, 1.0)).sum(axis=1)  # [S]
-        self._strength_loss = self.config.global_decay * self._strength_loss + loss
+        # scalar arithmetic: a verify reaches a few positions, and numpy's per-call cost on [S, p] arrays doubled
+        # the tracker's host time per row
+        g = self.global_position_alphas(p).tolist()  # [p]
+        s, t = counts.data_s[:p].tolist(), counts.data_t[:p].tolist()  # [p] each
+        decay, losses = self.config.global_decay, self._strength_loss
+        for i, m in enumerate(self._strengths):
+            loss = 0.0
+            for j in range(p):
+                rate = (s[j] + m * g[j]) / (t[j] + m)  # this weight's α_j; positions 1..a accepted, a + 1 rejected
+                loss -= math.log(max(rate if j < succ else 1.0 - rate, 1e-6))
+            losses[i] = decay * losses[i] + loss
 
     @property
     def request_strength(self) -> float:
         """m of a request's per-position shrinkage: the scored weight with the least loss (ties: the smaller)."""
-        return float(self._strengths[int(np.argmin(self._strength_loss))])
+        losses = self._strength_loss
+        return float(self._strengths[losses.index(min(losses))])  # the first of equal losses: the smaller weight
 
     def forget(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)
