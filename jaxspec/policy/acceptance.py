@@ -46,7 +46,8 @@ request's lucky verifies raise its rate is caught overpredicting exactly there);
 (`request_strength`; ties to the smaller). Measured at k = 1 on 32 requests of each workload (the default model, its
 token draft, summarization and QA) requests differ so little that a beta-binomial fit gives m ≈ 28–50 (prompt
 lookup: 5–14), where with m = 4 one accepted verify of a draft that accepts one proposal in five priced the request's
-next at 0.36 ((1 + 4·0.2) / (1 + 4)).
+next at 0.36 ((1 + 4·0.2) / (1 + 4)). Only these chain rates use the measured weight: `RunState`'s request factor,
+`TreeYieldTracker` and `ConfidenceCalibration` still shrink by the configured prior_strength.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ class AcceptanceTracker:
     def request_strength(self) -> float:
         """m of a request's per-position shrinkage: the scored weight with the least loss (ties: the smaller)."""
         losses = self._strength_loss
-        return float(self._strengths[losses.index(min(losses))])  # the first of equal losses: the smaller weight
+        return float(self._strengths[losses.index(min(losses))])
 
     def forget(self, request_id: Hashable) -> None:
         self._requests.pop(request_id, None)
