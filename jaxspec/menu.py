@@ -127,17 +127,40 @@ def step_shape(context_lens: Sequence[int], row_caps: Sequence[int] | None, k: i
     window_buckets None means an unbucketed window (W = needed), as a cost model over a continuous
     window uses. Raises ValueError for an empty batch, a k outside the menu, a negative cap or caps
     of another length than the batch."""
+    lens, menu, limits = _shape_inputs(context_lens, row_caps, k_menu, k)
+    return _shape(lens, limits, k, menu, window_buckets)
+
+
+def menu_step_shapes(context_lens: Sequence[int], row_caps: Sequence[int], k_menu: Sequence[int],
+                     window_buckets: Sequence[int] | None) -> list[StepShape]:
+    """`step_shape` at every k of the menu (increasing), the inputs checked once: what a policy prices each
+    step, on the host between two steps."""
+    if row_caps is None:
+        raise ValueError("menu_step_shapes needs each row's cap")
+    lens, menu, limits = _shape_inputs(context_lens, row_caps, k_menu, None)
+    return [_shape(lens, limits, k, menu, window_buckets) for k in menu]
+
+
+def _shape_inputs(context_lens, row_caps, k_menu, k: int | None) -> tuple[list[int], list[int], list[int]]:
+    """(lens, sorted menu, row limits) checked (`step_shape`'s errors, k in the menu unless None); None caps:
+    every row at k."""
     lens = [int(n) for n in context_lens]
     if not lens:
         raise ValueError("a step needs at least one row")
     menu = sorted(int(m) for m in k_menu)
-    if k not in menu:
+    if k is not None and k not in menu:
         raise ValueError(f"k={k} is not in the menu {tuple(menu)}")
     limits = [k] * len(lens) if row_caps is None else [int(c) for c in row_caps]
     if len(limits) != len(lens):
         raise ValueError(f"{len(limits)} row caps for {len(lens)} rows")
     if any(c < 0 for c in limits):
         raise ValueError(f"row caps must be >= 0, got {tuple(limits)}")
+    return lens, menu, limits
+
+
+def _shape(lens: list[int], limits: list[int], k: int, menu: list[int],
+           window_buckets: Sequence[int] | None) -> StepShape:
+    """The rule itself, on checked inputs (k in the sorted menu)."""
     caps = tuple(min(k, c) for c in limits)
     k_run = next(m for m in menu if m >= max(caps))  # exists: k itself is ≥ every cap
     needed = max(n + c for n, c in zip(lens, caps, strict=True)) + 1

@@ -52,6 +52,7 @@ next at 0.36 ((1 + 4·0.2) / (1 + 4)). Only these chain rates use the measured w
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Hashable, Sequence
@@ -115,43 +116,36 @@ class AcceptanceConfig:
 
 
 class _DiscountedCounts:
-    """Discounted successes/trials overall and per position, starting at prior pseudo-counts."""
+    """Discounted successes/trials overall (starting at prior pseudo-counts) and per position (the data alone)."""
 
-    __slots__ = ("s", "t", "pos_s", "pos_t", "n_obs", "data_s", "data_t", "prior_weight")
+    __slots__ = ("s", "t", "n_obs", "data_s", "data_t", "prior_weight")
 
-    def __init__(self, prior: float, prior_positions: np.ndarray, strength: float):
+    def __init__(self, prior: float, positions: int, strength: float):
         self.s = strength * prior
         self.t = strength
-        self.pos_s = strength * np.asarray(prior_positions, np.float64)
-        self.pos_t = np.full(len(prior_positions), strength, np.float64)
         self.n_obs = 0
-        self.data_s = np.zeros(len(prior_positions))  # [P] discounted successes per position, no prior
-        self.data_t = np.zeros(len(prior_positions))  # [P] discounted trials per position, no prior
+        self.data_s = np.zeros(positions)  # [P] discounted successes per position, no prior
+        self.data_t = np.zeros(positions)  # [P] discounted trials per position, no prior
         self.prior_weight = strength  # the pseudo-trials of the starting prior left after the decay
 
     def add(self, accepted: int, proposed: int, decay: float) -> None:
         succ, trials = truncated_counts(accepted, proposed)
         self.s = decay * self.s + succ
         self.t = decay * self.t + trials
-        self.pos_s *= decay
-        self.pos_t *= decay
-        p = len(self.pos_s)
-        self.pos_s[: min(succ, p)] += 1.0  # positions 1..a accepted
-        self.pos_t[: min(trials, p)] += 1.0  # positions 1..a (+ a+1 rejected if a < n)
+        p = len(self.data_s)
         self.data_s *= decay
         self.data_t *= decay
-        self.data_s[: min(succ, p)] += 1.0
-        self.data_t[: min(trials, p)] += 1.0
+        self.data_s[: min(succ, p)] += 1.0  # positions 1..a accepted
+        self.data_t[: min(trials, p)] += 1.0  # positions 1..a (+ a+1 rejected if a < n)
         self.prior_weight *= decay
         self.n_obs += 1
 
-    def relax(self, prior: float, prior_positions: np.ndarray, strength: float, decay: float) -> None:
-        """Decay toward the prior pseudo-counts (fixed point: s = m·prior, t = m)."""
+    def relax(self, prior: float, strength: float, decay: float) -> None:
+        """Decay toward the prior pseudo-counts (fixed point: s = m·prior, t = m); the per-position data fade, so
+        the shrunk per-position rates move toward their prior."""
         self.s = decay * self.s + (1 - decay) * strength * prior
         self.t = decay * self.t + (1 - decay) * strength
-        self.pos_s = decay * self.pos_s + (1 - decay) * strength * np.asarray(prior_positions)
-        self.pos_t = decay * self.pos_t + (1 - decay) * strength
-        self.data_s *= decay  # the shrunk per-position rates move toward their prior
+        self.data_s *= decay
         self.data_t *= decay
         self.prior_weight = decay * self.prior_weight + (1 - decay) * strength
 
@@ -159,19 +153,14 @@ class _DiscountedCounts:
     def alpha(self) -> float:
         return self.s / self.t
 
-    @property
-    def position_alphas(self) -> np.ndarray:
-        return self.pos_s / self.pos_t
-
 
 class AcceptanceTracker:
     """Per-request α̂ (and per-position α̂_j) for one proposer, with the global rate as prior."""
 
     def __init__(self, config: AcceptanceConfig = AcceptanceConfig()):
         self.config = config
-        p = config.max_positions
-        self._global = _DiscountedCounts(config.initial_alpha, np.full(p, config.initial_alpha),
-                                         config.prior_strength)
+        self._global = _DiscountedCounts(config.initial_alpha, config.max_positions, config.prior_strength)
+        self._global_rates: tuple[list[float], np.ndarray] | None = None  # α̂_j memoised until the next verify
         self._requests: dict[Hashable, _DiscountedCounts] = {}
         self.global_trials = 0  # trials observed so far (undiscounted): the evidence behind α̂_g
         self._strengths = config.strengths.tolist()  # [S] the request shrinkage weights scored
@@ -188,16 +177,16 @@ class AcceptanceTracker:
             if accepted != 0:
                 raise ValueError(f"accepted={accepted} with nothing proposed")
             if counts is not None and c.idle_decay < 1.0:
-                counts.relax(self.global_alpha(), self.global_position_alphas(), c.prior_strength,
-                             c.idle_decay)
+                counts.relax(self.global_alpha(), c.prior_strength, c.idle_decay)
             return
         if counts is None:  # a new request starts at the proposer's current rates
-            counts = self._requests[request_id] = _DiscountedCounts(
-                self.global_alpha(), self.global_position_alphas(), c.prior_strength)
+            counts = self._requests[request_id] = _DiscountedCounts(self.global_alpha(), c.max_positions,
+                                                                    c.prior_strength)
         elif len(self._strengths) > 1:  # (a new request's first verify is predicted alike by every weight)
             self._score_strengths(counts, accepted, proposed)
         counts.add(accepted, proposed, c.request_decay)
         self._global.add(accepted, proposed, c.global_decay)
+        self._global_rates = None
         self.global_trials += truncated_counts(accepted, proposed)[1]
 
     def _score_strengths(self, counts: _DiscountedCounts, accepted: int, proposed: int) -> None:
@@ -208,7 +197,7 @@ class AcceptanceTracker:
             return
         # scalar arithmetic: a verify reaches a few positions, and numpy's per-call cost on [S, p] arrays doubled
         # the tracker's host time per row
-        g = self.global_position_alphas(p).tolist()  # [p]
+        g = self._proposer_rates()[0]  # [P] (positions 1..p used)
         s, t = counts.data_s[:p].tolist(), counts.data_t[:p].tolist()  # [p] each
         decay, losses = self.config.global_decay, self._strength_loss
         for i, m in enumerate(self._strengths):
@@ -238,21 +227,28 @@ class AcceptanceTracker:
         counts = self._requests.get(request_id)
         return self.global_alpha() if counts is None else counts.alpha
 
+    def _proposer_rates(self) -> tuple[list[float], np.ndarray]:
+        """The proposer-wide α̂_j [P] as floats and as an array, computed once per verify observed (every row of a
+        batch reads them; scalar arithmetic, the same values as the array recursion)."""
+        if self._global_rates is None:
+            g, m = self._global, self.config.prior_strength
+            s, t = g.data_s.tolist(), g.data_t.tolist()  # [P] each
+            rates = [(s[0] + g.prior_weight * self.config.initial_alpha) / (t[0] + g.prior_weight)]
+            for j in range(1, len(s)):
+                rates.append((s[j] + m * rates[-1]) / (t[j] + m))  # shrunk toward the position before it
+            self._global_rates = (rates, np.array(rates))
+        return self._global_rates
+
     def global_position_alphas(self, positions: int | None = None) -> np.ndarray:
         """[P] proposer-wide α̂_j, each shrunk toward the one before it (module doc); the first `positions` only."""
-        g, m = self._global, self.config.prior_strength
-        out = np.empty(len(g.data_s) if positions is None else min(positions, len(g.data_s)))
-        out[0] = (g.data_s[0] + g.prior_weight * self.config.initial_alpha) / (g.data_t[0] + g.prior_weight)
-        for j in range(1, len(out)):
-            out[j] = (g.data_s[j] + m * out[j - 1]) / (g.data_t[j] + m)
-        return out
+        return self._proposer_rates()[1][:positions].copy()
 
     def position_alphas(self, request_id: Hashable) -> np.ndarray:
         """[P] α̂_j = P(accept position j | 1..j−1 accepted) for a request; global for a new one."""
         counts = self._requests.get(request_id)
-        g = self.global_position_alphas()
+        g = self._proposer_rates()[1]  # [P]
         if counts is None:
-            return g
+            return g.copy()
         m = self.request_strength
         return (counts.data_s + m * g) / (counts.data_t + m)  # [P] shrunk toward the proposer's (module doc)
 
@@ -286,7 +282,7 @@ class RunState:
 
     def __init__(self, config: AcceptanceConfig = AcceptanceConfig()):
         self.config = config
-        self._first = np.zeros((2, 2))  # [state, (accepted, verified)] position 1, proposer-wide, discounted
+        self._first = [[0.0, 0.0], [0.0, 0.0]]  # [state][accepted, verified] position 1, proposer-wide, discounted
         self._state: dict[Hashable, int] = {}
         self._requests: dict[Hashable, list[float]] = {}  # request -> discounted [accepted, predicted] position 1
 
@@ -298,8 +294,10 @@ class RunState:
             return
         c = self.config
         state = self._state.get(request_id, 0)
-        predicted = self.state_rates()[state]  # before this evidence
-        self._first[state] = c.global_decay * self._first[state] + (accepted >= 1, 1.0)
+        predicted = self._state_rates()[state]  # before this evidence
+        first = self._first[state]
+        first[0] = c.global_decay * first[0] + (accepted >= 1)
+        first[1] = c.global_decay * first[1] + 1.0
         counts = self._requests.setdefault(request_id, [0.0, 0.0])
         counts[0] = c.request_decay * counts[0] + (accepted >= 1)
         counts[1] = c.request_decay * counts[1] + predicted
@@ -307,10 +305,15 @@ class RunState:
 
     def state_rates(self) -> np.ndarray:
         """[2] G_0 (after a rejection), G_1 (after a copied run)."""
-        accepted, verified = self._first.sum(axis=0)
-        pooled = accepted / verified if verified > 0 else self.config.initial_alpha
+        return np.array(self._state_rates())
+
+    def _state_rates(self) -> tuple[float, float]:
+        """(G_0, G_1) in scalar arithmetic (observed once a verified row)."""
+        (s0, t0), (s1, t1) = self._first
+        verified = t0 + t1
+        pooled = (s0 + s1) / verified if verified > 0 else self.config.initial_alpha
         m = self.config.prior_strength
-        return (self._first[:, 0] + m * pooled) / (self._first[:, 1] + m)
+        return (s0 + m * pooled) / (t0 + m), (s1 + m * pooled) / (t1 + m)
 
     def separated(self) -> bool:
         """Whether G_0 and G_1 differ by `run_min_z` standard errors (and each state has a verify's evidence)."""
@@ -318,7 +321,7 @@ class RunState:
         if min(t0, t1) < 1:
             return False
         pooled = (s0 + s1) / (t0 + t1)
-        se = np.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / t0 + 1 / t1))
+        se = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / t0 + 1 / t1))
         return bool(abs(s1 / t1 - s0 / t0) >= self.config.run_min_z * se)
 
     def first_rates(self, request_ids: Sequence[Hashable]) -> np.ndarray:
@@ -408,24 +411,27 @@ class ConfidenceCalibration:
 
     def __init__(self, config: AcceptanceConfig = AcceptanceConfig()):
         self.config = config
-        shape = (len(CONFIDENCE_BINS) + 1, len(DEPTH_GROUPS) + 1)
-        self._accepted = np.zeros(shape)  # [confidence bins, depth groups] discounted S_b
-        self._verified = np.zeros(shape)  # [confidence bins, depth groups] discounted T_b
+        cells = (len(CONFIDENCE_BINS) + 1) * (len(DEPTH_GROUPS) + 1)
+        self._accepted = [0.0] * cells  # [confidence bins × depth groups] discounted S_b (`_cell`)
+        self._verified = [0.0] * cells  # [confidence bins × depth groups] discounted T_b
         self._requests: dict[Hashable, list[float]] = {}  # request -> discounted [accepted, predicted]
 
     @staticmethod
-    def bins(confidences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """([d] confidence bin, [d] depth group) of a chain's tokens at depths 1..d."""
-        depth = np.arange(1, len(confidences) + 1)  # [d]
-        return (np.searchsorted(CONFIDENCE_BINS, confidences, side="right"),
-                np.searchsorted(DEPTH_GROUPS, depth, side="right"))
+    def _cell(confidence: float, depth: int) -> int:
+        """The flat index of (confidence bin, depth group) of a token of this confidence at this depth (1-based);
+        scalar, since a chain is a handful of tokens and this runs once a token per step."""
+        return (bisect.bisect_right(CONFIDENCE_BINS, confidence) * (len(DEPTH_GROUPS) + 1)
+                + bisect.bisect_right(DEPTH_GROUPS, depth))
 
     def calibrated(self, confidences) -> np.ndarray:
         """[d] cal(c) of a chain's tokens (depths 1..d), the proposer-wide map (no request factor)."""
-        c = np.clip(np.asarray(confidences, np.float64), 0.0, 1.0)  # [d]
-        b = self.bins(c)
-        m = self.config.prior_strength
-        return (self._accepted[b] + m * c) / (self._verified[b] + m)
+        m, accepted, verified = self.config.prior_strength, self._accepted, self._verified
+        out = []
+        for depth, c in enumerate(confidences, 1):
+            c = min(max(float(c), 0.0), 1.0)
+            cell = self._cell(c, depth)
+            out.append((accepted[cell] + m * c) / (verified[cell] + m))
+        return np.array(out, np.float64)  # [d]
 
     def rates(self, request_id: Hashable, confidences) -> np.ndarray:
         """[d] min(1, κ_i·cal(c_d)): the chance each proposed token is accepted given the ones before it were."""
@@ -434,17 +440,19 @@ class ConfidenceCalibration:
     def observe(self, request_id: Hashable, confidences, accepted: int) -> None:
         """One verify of a row whose `confidences` are those of the tokens it verified (its proposal, cut to what
         the step ran), `accepted` of them accepted."""
-        c = np.asarray(confidences, np.float64)
-        if c.size == 0:
+        if not len(confidences):
             return
         cfg = self.config
-        predicted = float(np.sum(np.cumprod(self.calibrated(c))))  # by the map (≤ 1 a token), before this evidence
-        trials = truncated_counts(accepted, len(c))[1]
-        conf_bin, depth_group = self.bins(np.clip(c[:trials], 0.0, 1.0))  # [trials] each
-        self._accepted *= cfg.global_decay
-        self._verified *= cfg.global_decay
-        np.add.at(self._verified, (conf_bin, depth_group), 1.0)
-        np.add.at(self._accepted, (conf_bin[:accepted], depth_group[:accepted]), 1.0)
+        predicted = float(np.sum(np.cumprod(self.calibrated(confidences))))  # by the map, before this evidence
+        trials = truncated_counts(accepted, len(confidences))[1]
+        decay = cfg.global_decay
+        self._accepted = [decay * x for x in self._accepted]
+        self._verified = [decay * x for x in self._verified]
+        for depth in range(1, trials + 1):
+            cell = self._cell(min(max(float(confidences[depth - 1]), 0.0), 1.0), depth)
+            self._verified[cell] += 1.0
+            if depth <= accepted:
+                self._accepted[cell] += 1.0
         counts = self._requests.setdefault(request_id, [0.0, 0.0])
         counts[0] = cfg.request_decay * counts[0] + accepted
         counts[1] = cfg.request_decay * counts[1] + predicted

@@ -71,7 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.menu import StepShape, step_shape
+from jaxspec.menu import StepShape, menu_step_shapes, step_shape
 
 FORMAT = "jaxspec-cost-profile"
 VERSION = 1
@@ -328,6 +328,12 @@ class CostModel:
         if shape.window is None:
             raise CostModelError(f"no window bucket >= {shape.needed} in {self.window_buckets}")
         return shape
+
+    def menu_shapes(self, context_lens: Sequence[int], row_caps: Sequence[int], k_menu: Sequence[int]
+                    ) -> list[StepShape]:
+        """The shape of a step at every k of the menu (`menu_step_shapes` over this model's windows), increasing;
+        a shape no window holds has window None."""
+        return menu_step_shapes(context_lens, row_caps, k_menu, self.window_buckets)
 
     # --- prices ------------------------------------------------------------------------
 

@@ -299,10 +299,9 @@ class GoodputPolicy(Policy):
         if not view.request_ids:
             raise ValueError("the goodput policy needs at least one live row")
         shapes = []
-        for k in view.k_menu:
-            try:
-                shape = self.shape(view, k)
-            except CostModelError:  # no window holds it (nor any larger k)
+        for k, shape in zip(sorted(view.k_menu), self.cost.menu_shapes(view.context_lens, view.row_max_k,
+                                                                       view.k_menu), strict=True):
+            if shape.window is None:  # no window holds it (nor any larger k)
                 break
             if shape.k == k:
                 shapes.append(shape)
@@ -343,6 +342,8 @@ class GoodputPolicy(Policy):
         e = self.row_expectations(view, shapes[-1].k)
         opts = [self.allocate(view, e, shape) for shape in shapes]
         pending = self.catch_up_call_s * sum(view.catch_up_calls)  # the whole catch-up a speculating step runs
+        if pending == 0:  # nothing to charge (prompt lookup, suffix decoding, a draft in step)
+            return opts
         return [o if o.shape.k == 0 else
                 dataclasses.replace(o, seconds=o.seconds + (share := self.catch_up_seconds(view, e, o.row_k)),
                                     unamortised_s=pending - share)
@@ -395,8 +396,10 @@ class GoodputPolicy(Policy):
         # the shape the engine ran (the same function it runs steps with)
         shape = self.cost.shape(view.context_lens, decision.row_k, decision.k, view.k_menu)
         tree = view.tree_at(shape.k)
+        proposed_rows = np.asarray(result.proposed[:n]).tolist()  # [n]
+        accepted_rows = np.asarray(result.accepted[:n]).tolist()  # [n]
         for i, rid in enumerate(view.request_ids):
-            proposed, accepted = int(result.proposed[i]), int(result.accepted[i])
+            proposed, accepted = proposed_rows[i], accepted_rows[i]
             if proposed > shape.caps[i]:
                 raise ValueError(f"row {i} verified {proposed} proposals but was allowed {shape.caps[i]}")
             if tree is not None:  # tree evidence only, from rows at the full envelope

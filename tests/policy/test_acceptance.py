@@ -221,7 +221,7 @@ def test_run_state_ignores_k0_steps_and_rejects_bad_counts():
     runs.observe("r", 3, 3)  # a copied run
     runs.observe("r", 0, 0)  # a k = 0 step: no evidence, the state stays
     runs.observe("r", 0, 2)
-    assert runs._first[1, 1] == 1.0 and runs._first[0, 1] == 1.0  # one verify after a rejection, one after a run
+    assert runs._first[1][1] == 1.0 and runs._first[0][1] == 1.0  # one verify after a rejection, one after a run
     with pytest.raises(ValueError):
         runs.observe("r", 3, 2)
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxspec.menu import step_shape
+from jaxspec.menu import menu_step_shapes, step_shape
 from jaxspec.policy.cost_model import (
     CostEntry,
     CostModel,
@@ -91,6 +91,23 @@ def test_shapes_come_from_the_engines_function():
     assert model.shape([255, 100], [0, 8], 4, MENU_K).window == 256
     with pytest.raises(CostModelError, match="no window"):
         model.shape([1020], None, 4, MENU_K)
+
+
+def test_the_menus_shapes_are_step_shape_at_every_k():
+    """`menu_step_shapes` (what goodput prices each step) is `step_shape` at each k of the menu, windows that no
+    bucket holds included (window None), and rejects what step_shape rejects."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 9))
+        lens = rng.integers(1, 1100, size=n).tolist()
+        caps = rng.integers(0, 9, size=n).tolist()
+        menu = sorted({0, *rng.choice([1, 2, 3, 4, 5, 6, 8], size=int(rng.integers(1, 5)), replace=False).tolist()})
+        windows = None if rng.random() < 0.2 else WINDOWS
+        assert menu_step_shapes(lens, caps, menu, windows) == [step_shape(lens, caps, k, menu, windows) for k in menu]
+    assert menu_step_shapes([1020], [8], (0, 8), (256, 1024))[1].window is None  # 1020 + 8 + 1 > 1024
+    for bad in (([], [], (0, 1)), ([5], [-1], (0, 1)), ([5, 6], [1], (0, 1)), ([5], None, (0, 1))):
+        with pytest.raises(ValueError):
+            menu_step_shapes(*bad, WINDOWS)
 
 
 def test_per_row_pricing():
