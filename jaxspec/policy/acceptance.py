@@ -239,9 +239,9 @@ class AcceptanceTracker:
             self._global_rates = (rates, np.array(rates))
         return self._global_rates
 
-    def global_position_alphas(self, positions: int | None = None) -> np.ndarray:
-        """[P] proposer-wide α̂_j, each shrunk toward the one before it (module doc); the first `positions` only."""
-        return self._proposer_rates()[1][:positions].copy()
+    def global_position_alphas(self) -> np.ndarray:
+        """[P] proposer-wide α̂_j, each shrunk toward the one before it (module doc)."""
+        return self._proposer_rates()[1].copy()
 
     def position_alphas(self, request_id: Hashable) -> np.ndarray:
         """[P] α̂_j = P(accept position j | 1..j−1 accepted) for a request; global for a new one."""
@@ -412,26 +412,24 @@ class ConfidenceCalibration:
     def __init__(self, config: AcceptanceConfig = AcceptanceConfig()):
         self.config = config
         cells = (len(CONFIDENCE_BINS) + 1) * (len(DEPTH_GROUPS) + 1)
-        self._accepted = [0.0] * cells  # [confidence bins × depth groups] discounted S_b (`_cell`)
+        self._accepted = [0.0] * cells  # [confidence bins × depth groups] discounted S_b (`_cells`)
         self._verified = [0.0] * cells  # [confidence bins × depth groups] discounted T_b
         self._requests: dict[Hashable, list[float]] = {}  # request -> discounted [accepted, predicted]
 
     @staticmethod
-    def _cell(confidence: float, depth: int) -> int:
-        """The flat index of (confidence bin, depth group) of a token of this confidence at this depth (1-based);
-        scalar, since a chain is a handful of tokens and this runs once a token per step."""
-        return (bisect.bisect_right(CONFIDENCE_BINS, confidence) * (len(DEPTH_GROUPS) + 1)
-                + bisect.bisect_right(DEPTH_GROUPS, depth))
+    def _cells(confidences):
+        """(c clipped to [0, 1], the flat index of its (confidence bin, depth group)) of a chain's tokens at depths
+        1..d; scalar, since a chain is a handful of tokens and this runs for every row a step."""
+        for depth, c in enumerate(confidences, 1):
+            c = min(max(float(c), 0.0), 1.0)
+            yield c, (bisect.bisect_right(CONFIDENCE_BINS, c) * (len(DEPTH_GROUPS) + 1)
+                      + bisect.bisect_right(DEPTH_GROUPS, depth))
 
     def calibrated(self, confidences) -> np.ndarray:
         """[d] cal(c) of a chain's tokens (depths 1..d), the proposer-wide map (no request factor)."""
         m, accepted, verified = self.config.prior_strength, self._accepted, self._verified
-        out = []
-        for depth, c in enumerate(confidences, 1):
-            c = min(max(float(c), 0.0), 1.0)
-            cell = self._cell(c, depth)
-            out.append((accepted[cell] + m * c) / (verified[cell] + m))
-        return np.array(out, np.float64)  # [d]
+        return np.array([(accepted[cell] + m * c) / (verified[cell] + m) for c, cell in self._cells(confidences)],
+                        np.float64)  # [d]
 
     def rates(self, request_id: Hashable, confidences) -> np.ndarray:
         """[d] min(1, κ_i·cal(c_d)): the chance each proposed token is accepted given the ones before it were."""
@@ -448,8 +446,7 @@ class ConfidenceCalibration:
         decay = cfg.global_decay
         self._accepted = [decay * x for x in self._accepted]
         self._verified = [decay * x for x in self._verified]
-        for depth in range(1, trials + 1):
-            cell = self._cell(min(max(float(confidences[depth - 1]), 0.0), 1.0), depth)
+        for depth, (_, cell) in enumerate(self._cells(confidences[:trials]), 1):
             self._verified[cell] += 1.0
             if depth <= accepted:
                 self._accepted[cell] += 1.0
