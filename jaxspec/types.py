@@ -167,8 +167,9 @@ class StepResult:
     tokens:   [B, k+1] new tokens per row (accepted proposals then the bonus/resampled token).
     counts:   [B] how many of `tokens` are real (accepted + 1).
     proposed: [B] how many proposals each row verified.
-    catch_up_calls / catch_up_s: lazy draft catch-up run before this step (calls, wall seconds);
-      part of the step's wall time, but not of the step executable a cost model times.
+    catch_up_calls / catch_up_tokens / catch_up_s: lazy draft catch-up run before this step (calls, their chunks'
+      padded tokens, wall seconds); part of the step's wall time, but not of the step executable a cost model
+      times.
     logprobs: [B, k+1] float32 log-probability of each of `tokens` under the target (engines with logprobs > 0,
       else None); top_logprobs / top_ids: [B, k+1, N] its N most likely alternatives, most likely first.
     """
@@ -178,6 +179,7 @@ class StepResult:
     proposed: np.ndarray
     catch_up_calls: int = 0
     catch_up_s: float = 0.0
+    catch_up_tokens: int = 0
     logprobs: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     top_ids: np.ndarray | None = None

@@ -96,6 +96,33 @@ def test_catch_up_plan_after_plain_steps(fresh):
     assert plan[0].start >= 9 and sum(call.n for call in plan) >= 12 - 1
     result = fresh.step([0], 3)
     assert result.catch_up_calls == len(plan) and fresh.catch_up_plan(0) == []
+    assert result.catch_up_tokens == sum(call.key.chunk for call in plan)
+
+
+def test_a_catch_up_runs_the_smallest_chunk_that_holds_what_is_missing():
+    """Below the smallest prefill bucket the catch-up has chunks of 8, 16, 32, ...: a few tokens missed in a
+    short stretch at k = 0 run 8, not a prompt-sized chunk; a gap at least the largest chunk runs the largest
+    first. The calls are the ones the prefill buckets alone would make, each chunk no larger."""
+    menu = Menu(num_slots=4, max_len=512, batch_buckets=(1,), k_menu=(0, 1), window_buckets=(256, 512),
+                prefill_buckets=(64, 256))
+    assert menu.catch_up_buckets == (8, 16, 32, 64, 256)
+    assert {key.chunk for key in menu.catch_up_keys()} == set(menu.catch_up_buckets)
+
+    def chunks(seen, length):
+        return [(call.start, call.n, call.key.chunk) for call in menu.catch_up_plan(seen, length, in_step=2)]
+
+    assert chunks(100, 101) == []  # the step feeds the last committed token and the pending one itself
+    assert chunks(100, 102) == [(100, 2, 8)]
+    assert chunks(100, 109) == [(100, 9, 16)]
+    assert chunks(0, 40) == [(0, 40, 64)]
+    assert chunks(0, 150) == [(0, 150, 256)]
+    assert chunks(0, 300) == [(0, 256, 256), (256, 44, 64)]
+    assert menu.catch_up_plan(250, 262, in_step=2)[0].key.window == 512  # the window holds the chunk's end
+    for seen, length in [(0, 5), (3, 70), (0, 255), (0, 511), (200, 330)]:
+        plan = menu.catch_up_plan(seen, length, in_step=2)
+        assert sum(call.n for call in plan) == length - seen and plan[0].start == seen
+        assert all(call.n <= call.key.chunk for call in plan)
+        assert len(plan) == -(-(length - seen) // 256)  # as many calls as with the prefill buckets alone
 
 
 def test_free_and_reset_empty_slots(fresh):

@@ -213,15 +213,17 @@ def test_per_row_caps_reach_the_engine_and_the_step_records():
     assert [(s.k, s.proposed, s.accepted) for s in first_step] == [(3, 3, 3), (0, 0, 0)]
 
 
-def test_catch_up_calls_are_shown_to_the_policy():
+def test_pending_catch_up_is_shown_to_the_policy():
     k_after = iter([0, 0, 3, 3, 3, 3])
     policy = RecordingPolicy(lambda view: Decision(k=next(k_after, 0)))
     engine = fake(accept=1, tracks_context=True, in_step_catch_up=2)
     Scheduler(engine, policy).generate_all([Request("x", [5, 6], SamplingParams(max_tokens=8, ignore_eos=True))])
     # the draft has not seen the prompt (prefill leaves it alone), and two k = 0 steps leave it further
-    # behind: the first k = 3 step catches up first, in one call; after it nothing is pending
+    # behind: the first k = 3 step catches up first, in one call of the smallest chunk (8 tokens); after it
+    # nothing is pending
     assert [v.catch_up_calls for v in policy.views[:4]] == [(1,), (1,), (1,), (0,)]
-    assert [c.kind for c in engine.calls].count("catch_up") == 1
+    assert [v.catch_up_tokens for v in policy.views[:4]] == [(8,), (8,), (8,), (0,)]
+    assert [c.key.chunk for c in engine.calls if c.kind == "catch_up"] == [8]
 
 
 # --- stops -----------------------------------------------------------------------------------

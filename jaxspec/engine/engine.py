@@ -409,12 +409,13 @@ class Engine:
         n = len(slots)
         b = self.menu.batch_bucket(n)
         shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
-        catch_up_calls, catch_up_s = 0, 0.0
+        catch_up_calls, catch_up_tokens, catch_up_s = 0, 0, 0.0
         if shape.k > 0 and self.proposer.tracks_context:
             if self._mirror.unread[slots].any():
                 self.settle()
                 shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
             fn = self.executables.get(StepKey(b, shape.k, shape.window))  # a miss raises before any catch-up
+            catch_up_tokens = sum(call.key.chunk for slot in slots for call in self.catch_up_plan(slot))
             started = time.perf_counter()
             catch_up_calls = self.catch_up(slots)
             if catch_up_calls:
@@ -446,7 +447,7 @@ class Engine:
                                            *self._host_inputs(b, shape.k, host))
         epochs = self._mirror.dispatched(slots, shape.caps)
         step = DispatchedStep(self, slots, epochs, np.asarray(shape.caps, np.int64), shape.k, packed,
-                              catch_up_calls, catch_up_s, logprobs[0] if logprobs else None)
+                              catch_up_calls, catch_up_tokens, catch_up_s, logprobs[0] if logprobs else None)
         self._in_flight.append(step)
         return step
 
@@ -472,7 +473,8 @@ class Engine:
         n, k_run = len(step.slots), step.k_run
         packed = np.asarray(step.packed)[:n]  # [n, k+4]: waits for the step
         result = StepResult(tokens=packed[:, : k_run + 1], counts=packed[:, k_run + 1], proposed=packed[:, k_run + 2],
-                            catch_up_calls=step.catch_up_calls, catch_up_s=step.catch_up_s)
+                            catch_up_calls=step.catch_up_calls, catch_up_s=step.catch_up_s,
+                            catch_up_tokens=step.catch_up_tokens)
         current = self._mirror.read(step.slots, step.epochs, step.caps, result.counts)  # [n]
         if step.logprobs is not None:  # values [B, k+1, 1+N], ids [B, k+1, N]
             values, ids = (np.asarray(x)[:n] for x in step.logprobs)
@@ -547,6 +549,7 @@ class DispatchedStep:
     k_run: int
     packed: jax.Array
     catch_up_calls: int
+    catch_up_tokens: int  # the catch-up chunks' padded tokens
     catch_up_s: float
     logprobs: tuple[jax.Array, jax.Array] | None  # (values [B, k+1, 1+N], ids [B, k+1, N]) with logprobs N > 0
     done: StepResult | None = None

@@ -130,13 +130,14 @@ class FakeEngine:
         slots = [int(s) for s in slot_ids]
         shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)  # as the real engine: the host's bound
         key = self._ready(StepKey(self.menu.batch_bucket(len(slots)), shape.k, shape.window))
-        catch_up = 0
+        catch_up = catch_up_tokens = 0
         if key.k > 0 and self.tracks_context:
             for slot in slots:
                 for call in self.catch_up_plan(slot):
                     self.calls.append(FakeCall("catch_up", self._ready(call.key), (slot,)))
                     self._seen[slot] = call.start + call.n
                     catch_up += 1
+                    catch_up_tokens += call.key.chunk
         self.pages.grow(slots, self._mirror.bound(slots) + np.asarray(shape.caps, np.int64) + 1)
         self.calls.append(FakeCall("step", key, tuple(slots)))
         tokens = np.zeros((len(slots), key.k + 1), np.int64)  # [B, k+1]
@@ -154,7 +155,7 @@ class FakeEngine:
                 self._seen[slot] = self._lengths[slot] + 1 + min(accepted, key.k - 1)
             self._lengths[slot] += accepted + 1
         result = StepResult(tokens=tokens, counts=counts, proposed=np.asarray(shape.caps, np.int64),
-                            catch_up_calls=catch_up)
+                            catch_up_calls=catch_up, catch_up_tokens=catch_up_tokens)
         if self.logprobs:  # [B, k+1], [B, k+1, N], [B, k+1, N]
             alternatives = np.arange(self.logprobs)
             top_ids = (tokens[:, :, None] + alternatives) % self.vocab_size

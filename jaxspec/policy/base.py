@@ -25,6 +25,7 @@ class BatchView:
     batch_bucket: the padded batch size this step will run at.
     catch_up_calls: per row, the draft catch-up calls a step with k > 0 would run first (the
                   draft skipped the tokens committed by k = 0 steps); () when not tracked.
+    catch_up_tokens: per row, those calls' chunks' padded tokens; () when not tracked.
     trees:        the menu's token-tree envelopes (jaxspec.menu.TreeEnvelope): each runs at its k
                   in place of the chain there.
     proposal_rates: per row, the confidence of each token of the chain a host proposer (suffix decoding) has
@@ -42,6 +43,7 @@ class BatchView:
     k_menu: tuple[int, ...]
     batch_bucket: int
     catch_up_calls: tuple[int, ...] = ()
+    catch_up_tokens: tuple[int, ...] = ()
     trees: tuple[TreeEnvelope, ...] = ()
     proposal_rates: tuple[tuple[float, ...], ...] = ()
     assumed_rates: tuple[tuple[float, ...], ...] = ()

@@ -60,6 +60,7 @@ where c_real ≥ 0 (`real_token_s`) is the cost of one verified token that only 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -223,6 +224,40 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             passive &= x > 1e-15
             x[~passive] = 0.0
     return x
+
+
+class CatchUpCost:
+    """Seconds of a draft catch-up: a·calls + b·tokens (the calls' chunks, padded), a, b ≥ 0 fitted to the last
+    `window` catch-ups the engine reported; 0 until one has been seen. A call pays its launch and its whole chunk:
+    on this CPU an 8-token chunk of the shipped draft took 1.5 ms and a 256-token one 19 ms (docs/benchmarks.md,
+    "Right-sized draft catch-up"), so neither a price per call nor one per token fits both."""
+
+    def __init__(self, window: int = 32):
+        if window < 1:
+            raise ValueError(f"the catch-up cost window must be >= 1, got {window}")
+        self._seen: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=window)
+        self.per_call_s = 0.0
+        self.per_token_s = 0.0
+
+    def observe(self, calls: int, tokens: int, seconds: float) -> None:
+        """One step's catch-up: its calls, their chunks' padded tokens, and the wall seconds they took."""
+        if calls <= 0:
+            return
+        self._seen.append((calls, tokens, seconds))
+        a = np.array([(c, t) for c, t, _ in self._seen], np.float64)  # [N, 2]: calls, tokens
+        s = np.array([s for _, _, s in self._seen], np.float64)  # [N]
+        if np.ptp(a[:, 1] / a[:, 0]) == 0:
+            # one mix of chunks alone (a run's first catch-ups: whole prompts) cannot tell a launch from its
+            # tokens: priced per token, a few-token catch-up is priced low and speculating measures it, where a
+            # price per call would price it as a prompt's and keep it unmeasured
+            self.per_call_s, self.per_token_s = 0.0, float(a[:, 1] @ s / (a[:, 1] @ a[:, 1]))
+            return
+        scale = np.linalg.norm(a, axis=0)  # [2]: columns of like size for the solver
+        x = _nnls(a / scale, s) / scale  # [2]
+        self.per_call_s, self.per_token_s = float(x[0]), float(x[1])
+
+    def seconds(self, calls: int, tokens: int) -> float:
+        return calls * self.per_call_s + tokens * self.per_token_s
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,13 +29,14 @@ per-row k only pays off when verification is priced per real token. The allocati
 priced at the shape it runs (a smaller k' and window when every row ended below K).
 
 Draft catch-up: a draft skips the tokens committed by k = 0 steps and is fed them (catch-up calls,
-`BatchView.catch_up_calls`) before the next k > 0 step. That restart cost buys speculation for
+`BatchView.catch_up_tokens`) before the next k > 0 step. That restart cost buys speculation for
 the row's next tokens, so each k > 0 option is charged it amortised over them:
 
-    T'(k) = T(k) + Σ_i n_i · c_call · E_i(k_i) / H_i,   H_i = min(tokens row i still wants, horizon)
+    T'(k) = T(k) + Σ_i (a · n_i + b · t_i) · E_i(k_i) / H_i,   H_i = min(tokens row i still wants, horizon)
 
-where n_i is row i's pending calls and c_call the measured seconds per call (an EMA of what the
-engine reports; 0 until a catch-up has been seen). Without it, a policy near break-even flips
+where n_i is row i's pending calls, t_i their chunks' padded tokens, and a (seconds a call) and b (a token) are
+fitted to the catch-ups the engine reported (`CatchUpCost`; 0 until a catch-up has been seen): the chunks range
+from a few tokens after a short stretch at k = 0 to a prompt's worth. Without it, a policy near break-even flips
 between k = 0 and k > 0 and pays a catch-up at every flip; with it, it keeps its choice unless
 the gain covers the restart.
 
@@ -120,7 +121,7 @@ from jaxspec.policy.acceptance import (
     TreeYieldTracker,
 )
 from jaxspec.policy.base import BatchView, Decision, Policy
-from jaxspec.policy.cost_model import CostModel, CostModelError
+from jaxspec.policy.cost_model import CatchUpCost, CostModel, CostModelError
 from jaxspec.policy.decision_log import DecisionLog
 from jaxspec.types import StepResult
 
@@ -135,7 +136,7 @@ class GoodputConfig:
       conditions on what was proposed.
     log_size: records kept in the decision log.
     catch_up_horizon: tokens a draft catch-up is amortised over at most (see the module doc).
-    catch_up_ema: weight of the newest measurement in the seconds-per-catch-up-call estimate.
+    catch_up_window: the catch-ups the seconds-per-call and per-token fit keeps (`CatchUpCost`).
     explore_trials: verified trials the proposer needs before its measured rate is trusted
       (until then the first proposal is evaluated as accepted, see "Cold start"); 0 = no exploration.
     cold_start: what the cold start evaluates as accepted: "first" (the first proposal; the deeper ones at their
@@ -150,7 +151,7 @@ class GoodputConfig:
     short_proposal_is_rejection: bool = True
     log_size: int = 4096
     catch_up_horizon: int = 32
-    catch_up_ema: float = 0.3
+    catch_up_window: int = 32
     explore_trials: int = 8
     explore_every: int = 16
     explore_margin: float = 0.25
@@ -217,7 +218,7 @@ class GoodputPolicy(Policy):
         self.log = DecisionLog(config.log_size)
         # decisions chosen but not yet observed (the overlapped loop chooses step t+1 before it observes step t)
         self._pending: collections.deque[_Pending] = collections.deque(maxlen=8)
-        self.catch_up_call_s = 0.0  # measured seconds per draft catch-up call (EMA)
+        self.catch_up = CatchUpCost(config.catch_up_window)  # what a draft catch-up costs, measured
         self.decisions = 0  # choose() calls so far (the exploration schedule)
         self.explored = 0  # decisions that ran an exploration option
 
@@ -331,9 +332,9 @@ class GoodputPolicy(Policy):
     def catch_up_seconds(self, view: BatchView, e: np.ndarray, row_k: tuple[int, ...]) -> float:
         """The share of pending draft catch-up a k > 0 step with these row k_i carries (module doc)."""
         total = 0.0
-        for i, calls in enumerate(view.catch_up_calls):  # () when the proposer keeps no context
-            horizon = max(1, min(view.row_max_k[i] + 1, self.config.catch_up_horizon))
-            total += calls * self.catch_up_call_s * e[i, row_k[i]] / horizon
+        for i, (calls, tokens) in enumerate(zip(view.catch_up_calls, view.catch_up_tokens, strict=True)):
+            horizon = max(1, min(view.row_max_k[i] + 1, self.config.catch_up_horizon))  # () without a draft
+            total += self.catch_up.seconds(calls, tokens) * e[i, row_k[i]] / horizon
         return total
 
     def options(self, view: BatchView) -> list[Option]:
@@ -341,7 +342,8 @@ class GoodputPolicy(Policy):
         shapes = self.candidates(view)
         e = self.row_expectations(view, shapes[-1].k)
         opts = [self.allocate(view, e, shape) for shape in shapes]
-        pending = self.catch_up_call_s * sum(view.catch_up_calls)  # the whole catch-up a speculating step runs
+        # the whole catch-up a speculating step runs
+        pending = self.catch_up.seconds(sum(view.catch_up_calls), sum(view.catch_up_tokens))
         if pending == 0:  # nothing to charge (prompt lookup, suffix decoding, a draft in step)
             return opts
         return [o if o.shape.k == 0 else
@@ -411,10 +413,7 @@ class GoodputPolicy(Policy):
             self.runs.observe(rid, accepted, shape.caps[i])
             if view.proposal_rates:  # what the row's confidences predicted for the tokens it verified
                 self.calibration.observe(rid, view.proposal_rates[i][:proposed], accepted)
-        if result.catch_up_calls:
-            per_call = result.catch_up_s / result.catch_up_calls
-            w = self.config.catch_up_ema if self.catch_up_call_s > 0 else 1.0
-            self.catch_up_call_s = (1 - w) * self.catch_up_call_s + w * per_call
+        self.catch_up.observe(result.catch_up_calls, result.catch_up_tokens, result.catch_up_s)
         if elapsed_s > 0:  # a step the clock could not time (elapsed 0) carries no timing evidence
             self.cost.observe(view.batch_bucket, shape.k, shape.window, elapsed_s, real_tokens=shape.real_tokens)
         last = next((p for p in self._pending if p.decision is decision), None)

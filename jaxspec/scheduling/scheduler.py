@@ -534,6 +534,7 @@ class Scheduler:
         engine = self.engine
         slots = [r.slot for r in rows]
         room = [engine.room(s) for s in slots]  # from the length bound: after `previous` commits its most tokens
+        plans = [engine.catch_up_plan(s) for s in slots]  # what a speculating step would first feed the draft
         rates, assumed = (), ()
         if self.suffix_index is not None:  # each row's chain, ready for the step, and its confidence
             k_max = max(engine.menu.k_menu)
@@ -557,7 +558,8 @@ class Scheduler:
                             for r, c in zip(rows, room)),
             k_menu=engine.menu.k_menu,
             batch_bucket=engine.menu.batch_bucket(len(rows)),
-            catch_up_calls=tuple(len(engine.catch_up_plan(s)) for s in slots),
+            catch_up_calls=tuple(len(plan) for plan in plans),
+            catch_up_tokens=tuple(sum(call.key.chunk for call in plan) for plan in plans),
             trees=engine.menu.tree_envelopes,
             proposal_rates=rates,
             assumed_rates=assumed,

@@ -380,8 +380,10 @@ def test_empty_view_is_an_error():
 
 # --- draft catch-up ---------------------------------------------------------------------------
 
-def _with_catch_up(v: BatchView, calls) -> BatchView:
-    return dataclasses.replace(v, catch_up_calls=tuple(calls))
+def _with_catch_up(v: BatchView, tokens, calls=None) -> BatchView:
+    """`v` with these catch-up tokens pending per row, one call a row that has any unless `calls` says."""
+    calls = [int(t > 0) for t in tokens] if calls is None else calls
+    return dataclasses.replace(v, catch_up_calls=tuple(calls), catch_up_tokens=tuple(tokens))
 
 
 def test_pending_catch_up_is_charged_to_speculation_amortised():
@@ -391,9 +393,9 @@ def test_pending_catch_up_is_charged_to_speculation_amortised():
     speculating = p.choose(v)
     assert speculating.k > 0  # near break-even, but worth it with a synced draft
     g0, gk = speculating.predicted_goodput[0], speculating.predicted_goodput[speculating.k]
-    # a catch-up call as long as a whole step, pending for every row: restarting no longer pays
-    p.catch_up_call_s = 10e-3
-    stalled = p.choose(_with_catch_up(v, [1] * 4))
+    # an 8-token catch-up as long as a whole step, pending for every row: restarting no longer pays
+    p.catch_up.per_token_s = 10e-3 / 8
+    stalled = p.choose(_with_catch_up(v, [8] * 4))
     assert stalled.k == 0
     assert stalled.predicted_goodput[0] == pytest.approx(g0)  # k = 0 runs no catch-up
     # charged amortised: T'(k) = T(k) + Σ_i c·E_i(k)/H_i with H_i = min(caps + 1, horizon) = 9
@@ -407,32 +409,53 @@ def test_pending_catch_up_is_charged_to_speculation_amortised():
 def test_an_exploration_is_charged_the_whole_catch_up_it_starts():
     """k = 0 is best and k = 1 within the exploration margin, also with its catch-up share amortised (the
     share a run of k = 1 steps would carry); but an exploration runs one step and pays the whole catch-up of
-    every row (4 calls of 3 ms against a 12 ms step), so it is not worth exploring. Nothing pending: it is."""
+    every row (4 calls of 8 tokens, 1 ms a call and 0.25 ms a token: 3 ms each, against a 12 ms step), so it is
+    not worth exploring. Nothing pending: it is."""
     p = GoodputPolicy(cost_model(), Pinned({i: 0.1 for i in range(4)}),
                       GoodputConfig(explore_every=1, explore_trials=0))
-    p.catch_up_call_s = 3e-3
+    p.catch_up.per_call_s, p.catch_up.per_token_s = 1e-3, 2e-3 / 8
     v = view(4, caps=(8,) * 4)
-    opts = p.options(_with_catch_up(v, [1] * 4))
+    opts = p.options(_with_catch_up(v, [8] * 4))
     best, one = max(opts, key=lambda o: o.goodput), next(o for o in opts if o.k == 1)
     assert best.k == 0 and one.goodput >= (1 - p.config.explore_margin) * best.goodput  # amortised: within
     synced = next(o for o in p.options(_with_catch_up(v, [0] * 4)) if o.k == 1)
     share = one.seconds - synced.seconds  # the amortised share in its price
     assert 0 < share < 12e-3 and share + one.unamortised_s == pytest.approx(12e-3)  # the rest: one step pays it
     assert one.one_step_goodput < (1 - p.config.explore_margin) * best.goodput
-    assert p.choose(_with_catch_up(v, [1] * 4)).k == 0
+    assert p.choose(_with_catch_up(v, [8] * 4)).k == 0
     assert p.choose(_with_catch_up(v, [0] * 4)).k == 1  # explored
 
 
-def test_catch_up_cost_is_learned_from_what_the_engine_reports():
+def test_catch_up_cost_is_fitted_per_call_and_per_token_from_what_the_engine_reports():
+    """A catch-up call costs a launch plus its whole chunk: fitted from the steps' reports (calls, padded tokens,
+    seconds), a prompt-sized chunk and a few-token one are each priced as they ran."""
     p = policy([0.5])
-    v = _with_catch_up(view(1), [2])
+    v = _with_catch_up(view(1), [8])
     d = p.choose(v)
-    caught_up = StepResult(tokens=np.zeros((1, d.k + 1), np.int32), counts=np.array([1]),
-                           proposed=np.array([d.k]), catch_up_calls=2, catch_up_s=8e-3)
-    p.observe(v, d, caught_up, elapsed_s=20e-3)
-    assert p.catch_up_call_s == pytest.approx(4e-3)  # the first measurement is taken whole
-    p.observe(v, d, dataclasses.replace(caught_up, catch_up_s=16e-3), elapsed_s=20e-3)
-    assert p.catch_up_call_s == pytest.approx(0.7 * 4e-3 + 0.3 * 8e-3)
+    assert p.catch_up.seconds(1, 256) == 0.0  # nothing measured yet
+    for calls, tokens in [(1, 8), (4, 32), (1, 256), (2, 264), (3, 48)]:  # 1 ms a call + 0.05 ms a token
+        p.observe(v, d, StepResult(tokens=np.zeros((1, d.k + 1), np.int32), counts=np.array([1]),
+                                   proposed=np.array([d.k]), catch_up_calls=calls, catch_up_tokens=tokens,
+                                   catch_up_s=1e-3 * calls + 5e-5 * tokens), elapsed_s=20e-3)
+    assert p.catch_up.per_call_s == pytest.approx(1e-3) and p.catch_up.per_token_s == pytest.approx(5e-5)
+    e = p.row_expectations(v, 1)
+    behind_8, behind_256 = (p.catch_up_seconds(_with_catch_up(v, [t]), e, (1,)) for t in (8, 256))
+    assert behind_256 / behind_8 == pytest.approx((1e-3 + 256 * 5e-5) / (1e-3 + 8 * 5e-5))
+
+
+def test_catch_ups_all_of_one_chunk_size_price_that_size_as_measured_and_others_per_token():
+    """Calls of one chunk size alone (a run's first catch-ups: whole prompts) cannot tell the launch from the
+    tokens: that size is priced at what it took and the others per token, so a few-token catch-up is priced low
+    and speculating measures it, rather than priced at a prompt's call and never measured."""
+    p = policy([0.5])
+    v = _with_catch_up(view(1), [256])
+    d = p.choose(v)
+    for calls in (1, 4, 2, 3):
+        p.observe(v, d, StepResult(tokens=np.zeros((1, d.k + 1), np.int32), counts=np.array([1]),
+                                   proposed=np.array([d.k]), catch_up_calls=calls, catch_up_tokens=256 * calls,
+                                   catch_up_s=19e-3 * calls), elapsed_s=20e-3)
+    assert p.catch_up.per_call_s == 0 and p.catch_up.seconds(1, 256) == pytest.approx(19e-3)
+    assert p.catch_up.seconds(1, 8) == pytest.approx(19e-3 / 32)
 
 
 # --- cold start -------------------------------------------------------------------------------
