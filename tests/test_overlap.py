@@ -178,6 +178,24 @@ def test_a_row_in_flight_is_capped_by_what_the_step_in_flight_may_commit(policy,
     assert [r.token_ids for r in outputs[True]] == [r.token_ids for r in outputs[False]]
 
 
+@pytest.mark.parametrize("policy", [FixedPolicy(0), BatchDependentFixed(0)])
+def test_a_policy_at_k0_keeps_its_overlap_to_the_requests_ends(policy):
+    """On a menu up to k = 3, rows a few tokens from their end would have caps below 3 under the bound; a policy
+    running k = 0 loses nothing by that, so every step but the first is dispatched with the one before it unread
+    (holding them back lost the overlap near every request's end, as `none`, on a menu of k = 0 alone, never
+    did), and the tokens are the synchronous loop's."""
+    requests = [Request("a", [4], SamplingParams(max_tokens=6, ignore_eos=True)),
+                Request("b", [5], SamplingParams(max_tokens=9, ignore_eos=True))]
+    outputs = {}
+    for config in (SYNC, OVERLAP):
+        engine = FakeEngine(MENU, vocab_size=64, accept=5)
+        engine.warmup()
+        probe = InFlightProbe(engine)
+        outputs[config.overlap] = Scheduler(engine, policy, config=config).generate_all(requests)
+        assert probe.seen == ([0] + [1] * (len(probe.seen) - 1) if config.overlap else [0] * len(probe.seen))
+    assert [r.token_ids for r in outputs[True]] == [r.token_ids for r in outputs[False]]
+
+
 def test_a_row_finishing_in_step_n_has_its_step_n1_tokens_discarded():
     """EOS in step n: step n+1 (dispatched already) ran for the row too; none of its tokens reach the request,
     the policy forgets the request, and the slot serves the next request from scratch."""

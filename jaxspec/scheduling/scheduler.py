@@ -643,12 +643,15 @@ class Scheduler:
         that still wants a token after `previous` commits its most tokens, its cap in the step then set from that
         bound (`_view`). A policy whose caps must be the synchronous loop's (`Policy.exact_caps_k`) also needs the
         bound to leave its k; a row that fails either sits this step out and joins the one after, with its counts
-        read. When the bound would lower every row's cap below the menu's largest k, none joins: the loop reads
-        `previous` first (the step then runs with the caps the counts give, and only its overlap is lost)."""
+        read. When the bound would lower every row's cap below the k `previous` runs, none joins: the loop reads
+        `previous` first (the step then runs with the caps the counts give, and only its overlap is lost). Below
+        the menu's largest k instead, a policy at k = 0 lost its overlap near every request's end, and
+        `fixed:0` on a draft's engine ran 1.03-1.05x the latency of `none` (docs/benchmarks.md, "Right-sized
+        draft catch-up")."""
         running = sorted((r for r in self._slots.values() if r.running), key=lambda r: r.slot)
         if previous is None:
             return running
-        exact_k, largest_k = self.policy.exact_caps_k(self.engine.menu.k_menu), self.engine.menu.max_k
+        exact_k = self.policy.exact_caps_k(self.engine.menu.k_menu)
         rows, lowered = [], 0
         for live in running:
             if previous.row_of(live) is None:
@@ -657,7 +660,7 @@ class Scheduler:
             bound_cap = min(self.engine.room(live.slot), previous.wanted(live) - 1)
             if bound_cap >= exact_k:  # (>= 0: it still wants a token)
                 rows.append(live)
-                lowered += bound_cap < largest_k
+                lowered += bound_cap < previous.decision.k
         return rows if lowered < len(rows) else []
 
     def _dispatch(self, rows: list[_Live], previous: _InFlight | None = None) -> _InFlight | None:
