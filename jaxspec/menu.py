@@ -180,8 +180,8 @@ def smallest_at_least(buckets: Iterable[int], needed: int, what: str) -> int:
     raise MenuMissError(f"no {what} bucket >= {needed} in the menu {tuple(buckets)}")
 
 
-# the smallest draft catch-up chunk: on this CPU a 5-token catch-up of the shipped draft took 1.5 ms as an
-# 8-token chunk and 5.1 ms as a 64-token one (docs/benchmarks.md, "Right-sized draft catch-up")
+# the smallest draft catch-up chunk: on this CPU a catch-up call of the shipped draft takes 1.25 ms as an 8-token
+# chunk and 4.2 ms as a 64-token one, whatever it feeds (docs/benchmarks.md, "Right-sized draft catch-up")
 SMALLEST_CATCH_UP = 8
 
 

@@ -229,7 +229,7 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 class CatchUpCost:
     """Seconds of a draft catch-up: a·calls + b·tokens (the calls' chunks, padded), a, b ≥ 0 fitted to the last
     `window` catch-ups the engine reported; 0 until one has been seen. A call pays its launch and its whole chunk:
-    on this CPU an 8-token chunk of the shipped draft took 1.5 ms and a 256-token one 19 ms (docs/benchmarks.md,
+    on this CPU an 8-token chunk of the shipped draft took 1.25 ms and a 256-token one 16 ms (docs/benchmarks.md,
     "Right-sized draft catch-up"), so neither a price per call nor one per token fits both."""
 
     def __init__(self, window: int = 32):

@@ -29,7 +29,7 @@ per-row k only pays off when verification is priced per real token. The allocati
 priced at the shape it runs (a smaller k' and window when every row ended below K).
 
 Draft catch-up: a draft skips the tokens committed by k = 0 steps and is fed them (catch-up calls,
-`BatchView.catch_up_tokens`) before the next k > 0 step. That restart cost buys speculation for
+`BatchView.catch_up_calls` and `catch_up_tokens`) before the next k > 0 step. That restart cost buys speculation for
 the row's next tokens, so each k > 0 option is charged it amortised over them:
 
     T'(k) = T(k) + Σ_i (a · n_i + b · t_i) · E_i(k_i) / H_i,   H_i = min(tokens row i still wants, horizon)
