@@ -415,9 +415,10 @@ class Engine:
                 self.settle()
                 shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
             fn = self.executables.get(StepKey(b, shape.k, shape.window))  # a miss raises before any catch-up
-            catch_up_tokens = sum(call.key.chunk for slot in slots for call in self.catch_up_plan(slot))
+            plans = [(slot, self.catch_up_plan(slot)) for slot in slots]
+            catch_up_tokens = sum(call.key.chunk for _, plan in plans for call in plan)
             started = time.perf_counter()
-            catch_up_calls = self.catch_up(slots)
+            catch_up_calls = self._run_catch_up(plans)
             if catch_up_calls:
                 jax.block_until_ready(self.state)  # time the catch-up apart from the step
                 catch_up_s = time.perf_counter() - started
@@ -494,9 +495,13 @@ class Engine:
 
     def catch_up(self, slot_ids: Sequence[int]) -> int:
         """Run every slot's catch-up plan (what a speculating step runs first); returns the number of calls."""
+        return self._run_catch_up([(slot, self.catch_up_plan(slot)) for slot in slot_ids])
+
+    def _run_catch_up(self, plans: Sequence[tuple[int, list[CatchUpCall]]]) -> int:
+        """Run (slot, its catch-up plan) pairs; returns the number of calls."""
         calls = 0
-        for slot in slot_ids:
-            for call in self.catch_up_plan(slot):
+        for slot, plan in plans:
+            for call in plan:
                 run = self.executables.get(call.key)
                 self.state = run(self._proposer_params, self.state, np.array([slot], np.int32),
                                  np.array([call.start], np.int32), np.array([call.n], np.int32))
