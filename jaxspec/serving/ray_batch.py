@@ -414,6 +414,11 @@ def _run_blocks(build, queue, state, config, defaults, max_queue, progress, tota
             ray.init(address=config.address, include_dashboard=False, logging_level="WARNING")
         except ConnectionError as exc:
             raise BatchJobError(f"cannot join the Ray cluster at {config.address}: {exc}") from None
+        except Exception as exc:  # Ray raises a bare Exception when its local node misses its startup wait
+            if config.address is not None or RAY_STARTUP_TIMEOUT not in str(exc):
+                raise
+            raise BatchJobError(f"the local Ray did not start ({exc}); rerun, or start one with "
+                                f"`ray start --head` and pass --ray-address auto") from None
     replicas: list = []
     try:
         replicas = _start_replicas(ray, build, config, max_queue, log)
@@ -518,6 +523,9 @@ def _cause(exc: Exception) -> str:
     cause = getattr(exc, "cause", None) or getattr(getattr(exc, "error", None), "cause", None)
     text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
     return text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
+
+
+RAY_STARTUP_TIMEOUT = "timed out during startup"  # Ray's message when its raylet misses a fixed 30 s wait
 
 
 def _check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
