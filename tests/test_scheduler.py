@@ -629,6 +629,29 @@ def test_a_step_time_is_its_own_when_prompt_chunks_run_meanwhile(overlap):
     assert sched.seconds.prefill_s == pytest.approx(1.0 * sched.seconds.prefill_chunks)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_loop_accounts_the_policys_own_time(overlap):
+    """`LoopSeconds.policy_s` is the time spent in the policy's calls, whichever loop: a policy whose `choose`
+    takes 0.01 s and `observe` 0.02 s on the clock is accounted 0.03 s a step, and nothing else is."""
+    engine = fake(accept=1)
+    device = _DeviceTimeline(engine)
+
+    class Slow(RecordingPolicy):
+        def choose(self, view):
+            device.now += 0.01
+            return super().choose(view)
+
+        def observe(self, view, decision, result, elapsed_s):
+            device.now += 0.02
+            super().observe(view, decision, result, elapsed_s)
+
+    sched = Scheduler(engine, Slow(), clock=device.clock, config=SchedulerConfig(max_running=2, overlap=overlap))
+    reqs = requests()
+    check_counting(engine, sched.generate_all(reqs), reqs)
+    assert sched.steps_run > 0
+    assert sched.seconds.policy_s == pytest.approx(0.03 * sched.steps_run)
+
+
 def test_seeds_of_sampled_requests():
     engine = fake()
     seeds = {}

@@ -127,13 +127,16 @@ StepListener = Callable[[StepStats], None]
 @dataclasses.dataclass
 class LoopSeconds:
     """Where the loop's time went (running sums, engine thread): decode steps (`StepStats.elapsed_s`, draft
-    catch-up included) and prefill chunks. The rest of a span is admission, output processing, streaming and
-    waiting for work."""
+    catch-up included), prefill chunks, and the policy's own host calls (`choose`, `observe`, `forget`; in the
+    overlapped loop they run while a step is in flight, so on an accelerator they are hidden behind it, and a
+    decode period can hold them too). The rest of a span is admission, output processing, streaming and waiting
+    for work."""
 
     decode_steps: int = 0
     decode_s: float = 0.0
     prefill_chunks: int = 0
     prefill_s: float = 0.0
+    policy_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -695,6 +698,7 @@ class Scheduler:
     def _dispatch_rows(self, rows: list[_Live], previous: _InFlight | None = None) -> _InFlight | None:
         """One try of `_dispatch`: raises PagesExhaustedError with nothing started."""
         view, room = self._view(rows, previous)
+        began = self.clock()
         try:
             decision = self.policy.choose(view)
             self._check_decision(decision, view, room)
@@ -702,6 +706,8 @@ class Scheduler:
             log.exception("policy.choose failed")
             self._fail_all(rows, f"policy {self.policy.name!r} failed: {exc!r}")
             return None
+        finally:
+            self.seconds.policy_s += self.clock() - began
         slots = [r.slot for r in rows]
         t0 = self.clock()
         try:
@@ -739,6 +745,7 @@ class Scheduler:
         self.seconds.decode_steps += 1
         self.seconds.decode_s += stats.elapsed_s
         self._publish(stats)
+        began = self.clock()
         try:  # the policy's cost model times the step executable: lazy catch-up is not part of it
             self.policy.observe(self._observed_view(step, live), step.decision, result, stats.executable_s)
             for row, alive in zip(step.rows, live):
@@ -749,6 +756,8 @@ class Scheduler:
             self._fail_all([r for r, alive in zip(step.rows, live) if alive],
                            f"policy {self.policy.name!r} failed to observe a step: {exc!r}")
             return
+        finally:
+            self.seconds.policy_s += self.clock() - began
         for i, (row, alive) in enumerate(zip(step.rows, live)):
             if alive and row.slot is not None:  # (a row before it in this loop cannot free it, but be exact)
                 row.steps.append(StepRecord(k=step.cap(i), proposed=int(result.proposed[i]),
