@@ -11,9 +11,11 @@ import pytest
 from jaxspec.engine.engine import Engine
 from jaxspec.engine.fake import FakeEngine
 from jaxspec.menu import Menu
+from jaxspec.policy.base import Decision, Policy, row_caps
 from jaxspec.policy.fixed import FixedPolicy, NoSpeculation
 from jaxspec.scheduling.requests import FinishReason, Request
 from jaxspec.scheduling.scheduler import Scheduler, SchedulerConfig
+from jaxspec.speculation.proposers.draft_model import DraftModelProposer
 from jaxspec.speculation.proposers.prompt_lookup import PromptLookupProposer
 from jaxspec.types import SamplingParams
 from tests.fake_tokenizer import ascii_tokenizer
@@ -307,6 +309,55 @@ def test_tiny_model_cancel_leaves_the_others_unchanged(ngram_engine):
     assert [r.token_ids for r in results[1:]] == [r.token_ids for r in reference[1:]]
     sched.step_once()
     no_leaks(ngram_engine, sched)
+
+
+class Alternating(Policy):
+    """Runs of k = 3 and stretches of k = 0 in a fixed pattern of its calls (as goodput alternates), each row
+    capped by its room."""
+
+    name = "alternating"
+    PATTERN = (3, 3, 0, 3, 3, 3, 0, 0, 3, 0)
+
+    def __init__(self):
+        self.calls = 0
+
+    def choose(self, view):
+        k = self.PATTERN[self.calls % len(self.PATTERN)]
+        self.calls += 1
+        return Decision(k=k, row_k=row_caps(k, view))
+
+
+@pytest.mark.parametrize("make_policy", [lambda: FixedPolicy(3), Alternating], ids=["fixed:3", "alternating"])
+def test_a_draft_speculates_behind_a_speculating_step_without_reading_it(tiny_model, make_policy):
+    """With the target as its own draft at temperature 0 every proposal is accepted when the draft is in step
+    with the context, so one rejected proposal would show a catch-up skipped or run on a guessed length. In
+    the overlapped loop a speculating step behind one that ran the draft reads nothing first (the engine reads
+    the steps in flight only when a row's last step ran k = 0 or a catch-up is to run), the tokens are plain
+    decoding's, and every proposal is accepted, across runs of k = 3 and stretches of k = 0."""
+    engine = Engine(tiny_model, DraftModelProposer(tiny_model), MENU)
+    engine.warmup(progress=False)
+    reads = []
+    real_settle = engine.settle
+    engine.settle = lambda: (reads.append(len(engine._in_flight)), real_settle())[1]
+    steps = []
+    reqs = [Request(f"r{i}", [3 + i, 14, 15, 9, 26, 5 + i], SamplingParams(max_tokens=30 + 2 * i, ignore_eos=True))
+            for i in range(8)]  # 4 at a time: the others join as they finish (their prompts caught up)
+    plain = Scheduler(engine, NoSpeculation(), config=SYNC).generate_all(reqs)
+    sched = Scheduler(engine, make_policy(), config=SchedulerConfig(max_running=4, overlap=True),
+                      step_listeners=[steps.append])
+    results = sched.generate_all(reqs)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    speculating = [s for s in steps if int(s.result.proposed.sum()) > 0]
+    assert len(speculating) > 5
+    assert all((s.result.accepted == s.result.proposed).all() for s in speculating)
+    # a read before a speculating step only where a row's draft had fallen behind or a prompt was caught up
+    assert sum(r > 0 for r in reads) < len(speculating) / 2
+    # behind a step that ran the draft (k_run > 0) over all its rows, the policy is shown no pending catch-up
+    # (not one guessed from the length bound of the step in flight)
+    behind = [b for a, b in zip(steps, steps[1:])
+              if a.result.tokens.shape[1] > 1 and set(b.view.request_ids) <= set(a.view.request_ids)]
+    assert len(behind) > 10 and all(not any(b.view.catch_up_calls) for b in behind)
+    no_leaks(engine, sched)
 
 
 def test_no_overlap_flag_reaches_every_engine_command():

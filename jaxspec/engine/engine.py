@@ -154,6 +154,9 @@ class Engine:
         self.lengths = self._mirror.lengths  # committed lengths as of the steps read so far
         self._in_flight: list[DispatchedStep] = []  # dispatched, not read yet, in dispatch order
         self.proposer_lengths = np.zeros(menu.num_slots, np.int64)  # host mirror: what the proposer saw
+        # whether a slot's last dispatched step ran the draft (k > 0): its draft is then in step after it however
+        # many tokens it commits, so a speculating step behind it needs no read (`dispatch_step`)
+        self._draft_ran = np.zeros(menu.num_slots, bool)
         self.catch_up_totals = CatchUpTotals()
         self._state_shardings = jax.tree_util.tree_map_with_path(self._state_sharding,
                                                                  jax.eval_shape(self._fresh_state))
@@ -356,6 +359,7 @@ class Engine:
         self.lengths[slot] = start + n
         if start == 0 or cached:  # a new prompt: the draft has seen none of it (it catches up before speculating)
             self.proposer_lengths[slot] = 0
+            self._draft_ran[slot] = False
         if not is_last:
             # a chunk is done when this returns, like the last one (whose token is read back): left in
             # flight, its compute would land in the next step's timing and the cost model would charge
@@ -397,7 +401,10 @@ class Engine:
         for each row's length bound (`length`: exact when no step is in flight, else the read length plus
         cap + 1 per unread step) and cap: the smallest menu k ≥ every row's cap (rows all capped at 0 run the
         k = 0 executable, without draft catch-up) and the window of max(bound + cap) + 1. A speculating step
-        of a context-tracking draft first reads the steps in flight (its catch-up plan needs exact lengths).
+        of a context-tracking draft first reads the steps in flight when a row's catch-up depends on what they
+        commit (its last step ran k = 0) or a catch-up is to run (it is timed on its own); behind a speculating
+        step its rows' drafts are in step, and it is dispatched without a read (docs/design.md, "The overlapped
+        loop").
 
         A proposer with `host_proposals` needs `host_proposals(k_run, tree)`: each row's proposals ([n, k_run]
         numpy arrays; a tree inside the envelope `tree` when the step runs one), called once the step's shape is
@@ -411,11 +418,12 @@ class Engine:
         shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
         catch_up_calls, catch_up_tokens, catch_up_s = 0, 0, 0.0
         if shape.k > 0 and self.proposer.tracks_context:
-            if self._mirror.unread[slots].any():
+            plans = [(slot, self.catch_up_plan(slot)) for slot in slots]
+            if self._in_flight and (self._catch_up_unknown(slots) or any(plan for _, plan in plans)):
                 self.settle()
                 shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
+                plans = [(slot, self.catch_up_plan(slot)) for slot in slots]
             fn = self.executables.get(StepKey(b, shape.k, shape.window))  # a miss raises before any catch-up
-            plans = [(slot, self.catch_up_plan(slot)) for slot in slots]
             catch_up_tokens = sum(call.key.chunk for _, plan in plans for call in plan)
             started = time.perf_counter()
             catch_up_calls = self._run_catch_up(plans)
@@ -447,6 +455,7 @@ class Engine:
                                            self.pages.block_table(padded, shape.window),
                                            *self._host_inputs(b, shape.k, host))
         epochs = self._mirror.dispatched(slots, shape.caps)
+        self._draft_ran[slots] = shape.k > 0
         step = DispatchedStep(self, slots, epochs, np.asarray(shape.caps, np.int64), shape.k, packed,
                               catch_up_calls, catch_up_tokens, catch_up_s, logprobs[0] if logprobs else None)
         self._in_flight.append(step)
@@ -486,12 +495,20 @@ class Engine:
 
     def catch_up_plan(self, slot: int) -> list[CatchUpCall]:
         """The catch-up calls a speculating step would first run for this slot: committed tokens
-        the proposer missed during k = 0 steps, in prefill-bucket chunks, until only what
-        `propose` feeds itself is left ([] if none)."""
-        if not self.proposer.tracks_context:
+        the proposer missed during k = 0 steps, in catch-up chunks, until only what `propose` feeds itself is
+        left ([] if none). With steps in flight it is exact when the slot's last step ran the draft (nothing
+        to catch up), else a bound (`length` is)."""
+        if not self.proposer.tracks_context or (self._mirror.unread[slot] and self._draft_ran[slot]):
             return []
         return self.menu.catch_up_plan(int(self.proposer_lengths[slot]), self.length(slot),
                                        self.proposer.in_step_catch_up)
+
+    def _catch_up_unknown(self, slots: Sequence[int]) -> bool:
+        """Whether some slot's catch-up depends on steps in flight: its last step, unread, ran k = 0 (the draft
+        did not run, and how far it fell behind is what the step commits). After a step that ran the draft the
+        draft holds all but at most `in_step_catch_up` - 1 committed tokens, whatever the step accepted
+        (`Proposer.commit`), so its plan is empty."""
+        return bool((self._mirror.unread[slots] > 0)[~self._draft_ran[slots]].any())
 
     def catch_up(self, slot_ids: Sequence[int]) -> int:
         """Run every slot's catch-up plan (what a speculating step runs first); returns the number of calls."""
@@ -528,6 +545,7 @@ class Engine:
         self._mirror.reset()
         self.pages.reset()  # the fresh pool holds no prefix
         self.proposer_lengths[:] = 0
+        self._draft_ran[:] = False
         self._first_logprobs.clear()
 
     def free(self, slot: int) -> None:
@@ -536,6 +554,7 @@ class Engine:
         self._mirror.free(slot)
         self.pages.release(slot)  # a step in flight that wrote its pages ran before any later call that reuses them
         self.proposer_lengths[slot] = 0
+        self._draft_ran[slot] = False
         self._first_logprobs.pop(slot, None)
 
 
