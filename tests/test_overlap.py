@@ -338,7 +338,7 @@ def test_a_draft_speculates_behind_a_speculating_step_without_reading_it(tiny_mo
     engine.warmup(progress=False)
     reads = []
     real_settle = engine.settle
-    engine.settle = lambda: (reads.append(len(engine._in_flight)), real_settle())[1]
+    engine.settle = lambda: (reads.append(1), real_settle())[1]  # a read of the steps in flight before a step
     steps = []
     reqs = [Request(f"r{i}", [3 + i, 14, 15, 9, 26, 5 + i], SamplingParams(max_tokens=30 + 2 * i, ignore_eos=True))
             for i in range(8)]  # 4 at a time: the others join as they finish (their prompts caught up)
@@ -351,7 +351,7 @@ def test_a_draft_speculates_behind_a_speculating_step_without_reading_it(tiny_mo
     assert len(speculating) > 5
     assert all((s.result.accepted == s.result.proposed).all() for s in speculating)
     # a read before a speculating step only where a row's draft had fallen behind or a prompt was caught up
-    assert sum(r > 0 for r in reads) < len(speculating) / 2
+    assert len(reads) < len(speculating) / 2
     # behind a step that ran the draft (k_run > 0) over all its rows, the policy is shown no pending catch-up
     # (not one guessed from the length bound of the step in flight)
     behind = [b for a, b in zip(steps, steps[1:])
