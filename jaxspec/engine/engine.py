@@ -418,11 +418,14 @@ class Engine:
         shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
         catch_up_calls, catch_up_tokens, catch_up_s = 0, 0, 0.0
         if shape.k > 0 and self.proposer.tracks_context:
-            plans = [(slot, self.catch_up_plan(slot)) for slot in slots]
-            if self._in_flight and (self._catch_up_unknown(slots) or any(plan for _, plan in plans)):
+            unread = bool(self._in_flight)
+            if unread and self._catch_up_unknown(slots):
                 self.settle()
+            plans = [(slot, self.catch_up_plan(slot)) for slot in slots]  # exact: no row's depends on a step unread
+            if self._in_flight and any(plan for _, plan in plans):  # timed on its own, not with a step in flight
+                self.settle()
+            if unread and not self._in_flight:  # read: the exact lengths may give a smaller window
                 shape = self.menu.step_shape(self._mirror.bound(slots), row_k, k)
-                plans = [(slot, self.catch_up_plan(slot)) for slot in slots]
             fn = self.executables.get(StepKey(b, shape.k, shape.window))  # a miss raises before any catch-up
             catch_up_tokens = sum(call.key.chunk for _, plan in plans for call in plan)
             started = time.perf_counter()
